@@ -1,0 +1,17 @@
+"""tfspeed: make TensorFlow/Keras training as fast as the hardware allows.
+
+Measure first, then remove the bottleneck. The package is split by concern:
+``tfspeed.data`` (converter and tf.data pipeline builders), ``tfspeed.runtime``
+(strategy, precision, XLA), ``tfspeed.models``, ``tfspeed.trainer`` and the
+``tfspeed.train`` entry point.
+"""
+
+import importlib.util
+
+if importlib.util.find_spec("tensorflow") is None:
+    raise ImportError(
+        "tfspeed needs TensorFlow: install it with `pip install 'tfspeed[cpu]'` "
+        "(or `'tfspeed[gpu]'` on a machine with NVIDIA GPUs)"
+    )
+
+__version__ = "0.1.0"
