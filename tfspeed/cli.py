@@ -1,0 +1,38 @@
+"""What every command-line entry point shares: quiet start-up and one-line user errors."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+
+from tfspeed.errors import exit_on_usage_error
+
+
+def import_tensorflow_quietly() -> None:
+    """Imports TensorFlow with its C++ start-up banner silenced.
+
+    TF writes "All log messages before absl::InitializeLog()..." and oneDNN notices to
+    file descriptor 2 before ``TF_CPP_MIN_LOG_LEVEL`` takes effect, so a one-line error
+    would arrive buried under them. A failed import restores stderr first, so its
+    traceback is still seen.
+    """
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    if "tensorflow" in sys.modules:
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        import tensorflow  # noqa: F401
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
+def main_entry(main: Callable[[], int | None]) -> None:
+    """Runs a CLI ``main``: TF imported quietly, UsageError -> one line and exit status 2."""
+    import_tensorflow_quietly()
+    sys.exit(exit_on_usage_error(main))

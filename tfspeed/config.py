@@ -1,0 +1,204 @@
+"""Frozen configuration, split by concern, validated once.
+
+``tfspeed.flags`` turns absl flags into a ``Config``; library code receives only the
+slice it needs (``DataConfig`` for the pipeline, ``TrainConfig`` for the trainer, ...).
+Cross-field checks live in ``validate`` methods and raise ``UsageError`` naming the flags.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+from tfspeed.errors import UsageError
+
+CACHE_MODES = ("none", "memory", "disk")
+PARSE_MODES = ("auto", "batched", "single")
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """How to read a converted dataset.
+
+    Attributes:
+      data_dir: directory holding ``schema.json`` and the TFRecord shards.
+      batch_size: the global batch (summed over replicas) of one step.
+      image_size: resize images to this square side; 0 keeps the stored size (then all
+        images must already have the same size).
+      cache: ``none``, ``memory`` (decoded records held in RAM) or ``disk`` (a cache file in
+        ``cache_dir`` whose name hashes the source and settings, so a stale one is never reused).
+      cache_dir: where ``disk`` caches go; default ``<data_dir>/cache``.
+      shuffle: shuffle training data (files and records); off gives a fixed order.
+      shuffle_buffer: records in the shuffle buffer (capped at the split size).
+      augment: random augmentations for training, names from ``tfspeed.data.ops.AUGMENTATIONS``.
+      deterministic: fixed element order even with parallel maps (slower); also implied
+        by ``shuffle=False``.
+      seed: seed for file/record shuffling and augmentation.
+      parse: ``batched`` parses records in batches with ``parse_example`` (vectorised),
+        ``single`` parses each record inside the decode map; ``auto`` picks batched for
+        fixed-shape features and single for encoded images (measured in
+        ``benchmarks/input_pipeline.py``).
+      ram_budget_mb: cap on the RAM tf.data's autotuner may use for buffers; 0 = TF default.
+      train_split / eval_split: split names.
+      prepare_source: if ``data_dir`` holds no finished conversion, convert this converter
+        ``--source`` into it first (the demo job uses ``digits``).
+    """
+
+    data_dir: str
+    batch_size: int = 128
+    image_size: int = 0
+    cache: str = "memory"
+    cache_dir: str = ""
+    shuffle: bool = True
+    shuffle_buffer: int = 10_000
+    augment: tuple[str, ...] = ()
+    deterministic: bool = False
+    seed: int = 0
+    parse: str = "auto"
+    ram_budget_mb: int = 0
+    train_split: str = "train"
+    eval_split: str = "validation"
+    prepare_source: str = ""
+
+    def validate(self) -> DataConfig:
+        from tfspeed.data.ops import AUGMENTATIONS  # ops import TF; keep config import light
+
+        if not self.data_dir:
+            raise UsageError("--data_dir is required: a directory made by scripts/to_tfrecord.py")
+        _positive("batch_size", self.batch_size)
+        _non_negative("image_size", self.image_size)
+        _non_negative("ram_budget_mb", self.ram_budget_mb)
+        _positive("shuffle_buffer", self.shuffle_buffer)
+        _choice("cache", self.cache, CACHE_MODES)
+        _choice("parse", self.parse, PARSE_MODES)
+        for name in self.augment:
+            _choice("augment", name, AUGMENTATIONS)
+        return self
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Which model to build.
+
+    Attributes:
+      name: a key of ``tfspeed.models.MODELS``.
+      width: base width (units or filters); 0 takes the model's default.
+      dropout: dropout rate before the classifier.
+    """
+
+    name: str = "cnn"
+    width: int = 0
+    dropout: float = 0.0
+
+    def validate(self) -> ModelConfig:
+        from tfspeed.models import MODELS
+
+        _choice("model", self.name, tuple(MODELS))
+        _non_negative("width", self.width)
+        if not 0 <= self.dropout < 1:
+            raise UsageError(f"--dropout={self.dropout} must be in [0, 1)")
+        return self
+
+
+@dataclasses.dataclass(frozen=True)
+class RuntimeConfig:
+    """Where and how the step runs: strategy, precision and XLA.
+
+    Attributes:
+      strategy: ``auto``, ``default``, ``one_device`` or ``mirrored``.
+      cpu_replicas: split the CPU into this many logical devices (0: do not split), so
+        MirroredStrategy can run on a CPU-only machine.
+      precision: ``auto``, ``float32``, ``mixed_float16`` or ``mixed_bfloat16``.
+      xla: ``auto``, ``on`` or ``off``: XLA-compile the per-replica forward+backward.
+    """
+
+    strategy: str = "default"
+    cpu_replicas: int = 0
+    precision: str = "float32"
+    xla: str = "off"
+
+    def validate(self) -> RuntimeConfig:
+        _choice("strategy", self.strategy, ("auto", "default", "one_device", "mirrored"))
+        _choice("precision", self.precision, ("auto", "float32", "mixed_float16", "mixed_bfloat16"))
+        _choice("xla", self.xla, ("auto", "on", "off"))
+        _non_negative("cpu_replicas", self.cpu_replicas)
+        return self
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """The optimisation loop.
+
+    Attributes:
+      epochs: passes over the train split (ignored when ``train_steps`` > 0).
+      train_steps: total optimizer updates; 0 means ``epochs`` full passes.
+      learning_rate: base learning rate.
+      optimizer: ``adam``, ``adamw`` or ``sgd`` (SGD with Nesterov momentum 0.9).
+      steps_per_execution: training steps run inside one ``tf.function`` call.
+      grad_accum_steps: micro-batches per optimizer update.
+      eval_steps: cap on evaluation batches; 0 evaluates the whole split.
+      log_every: steps between throughput/loss logs.
+    """
+
+    epochs: int = 1
+    train_steps: int = 0
+    learning_rate: float = 1e-3
+    optimizer: str = "adam"
+    steps_per_execution: int = 1
+    grad_accum_steps: int = 1
+    eval_steps: int = 0
+    log_every: int = 50
+
+    def validate(self) -> TrainConfig:
+        _positive("epochs", self.epochs)
+        _non_negative("train_steps", self.train_steps)
+        _non_negative("eval_steps", self.eval_steps)
+        _positive("steps_per_execution", self.steps_per_execution)
+        _positive("grad_accum_steps", self.grad_accum_steps)
+        _positive("log_every", self.log_every)
+        if not self.learning_rate > 0:
+            raise UsageError(f"--learning_rate={self.learning_rate} must be > 0")
+        _choice("optimizer", self.optimizer, ("adam", "adamw", "sgd"))
+        return self
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """The whole experiment: one frozen value built from flags (or by hand in Python)."""
+
+    data: DataConfig
+    model: ModelConfig = ModelConfig()
+    runtime: RuntimeConfig = RuntimeConfig()
+    train: TrainConfig = TrainConfig()
+    model_dir: str = "runs/default"
+
+    def validate(self) -> Config:
+        """Checks each part and the rules that span parts; returns self."""
+        self.data.validate()
+        self.model.validate()
+        self.runtime.validate()
+        self.train.validate()
+        if not self.model_dir:
+            raise UsageError("--model_dir is required: where checkpoints, logs and report.json go")
+        return self
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def dumps(self) -> str:
+        return json.dumps(self.to_json(), indent=2)
+
+
+def _choice(flag: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise UsageError(f"--{flag}={value!r} is not one of: {', '.join(allowed)}")
+
+
+def _positive(flag: str, value: int) -> None:
+    if not value > 0:
+        raise UsageError(f"--{flag}={value} must be > 0")
+
+
+def _non_negative(flag: str, value: int) -> None:
+    if value < 0:
+        raise UsageError(f"--{flag}={value} must be >= 0")

@@ -1,0 +1,291 @@
+"""Pipeline builder: converted TFRecord shards -> a ``tf.data.Dataset`` of (inputs, labels).
+
+The order is the one the TF performance guide and big_vision settle on; each step says why
+it sits where it does. Everything depends on the schema the converter wrote, never on
+guessing the records' layout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import hashlib
+import json
+import os
+import socket
+
+import tensorflow as tf
+from absl import logging
+
+from tfspeed.config import DataConfig
+from tfspeed.data import ops
+from tfspeed.data import schema as schema_lib
+from tfspeed.errors import UsageError
+
+AUTOTUNE = tf.data.AUTOTUNE
+_PARSE_BATCH = 256  # records per vectorised parse_example call
+CACHE_FORMAT = 1  # bump when what a cache holds changes
+
+
+def build(
+    data_dir: str,
+    split: str,
+    batch_size: int,
+    *,
+    training: bool = False,
+    input_context: tf.distribute.InputContext | None = None,
+    **options,
+) -> tf.data.Dataset:
+    """Builds the input pipeline for one split of a converted dataset.
+
+    Args:
+      data_dir: a directory written by ``scripts/to_tfrecord.py``.
+      split: split name, e.g. ``"train"``.
+      batch_size: global batch size (per-replica batches are derived from ``input_context``).
+      training: shuffle, augment, repeat forever and drop the last partial batch.
+      input_context: from ``strategy.distribute_datasets_from_function``; shards the input.
+      **options: any other ``DataConfig`` field (``image_size``, ``cache``, ``augment``, ...).
+
+    Returns:
+      A dataset of ``(inputs, labels)`` batches.
+    """
+    config = DataConfig(data_dir=data_dir, batch_size=batch_size, **options).validate()
+    return build_from_config(config, split, training=training, input_context=input_context)
+
+
+def build_from_config(
+    config: DataConfig,
+    split: str,
+    *,
+    training: bool,
+    input_context: tf.distribute.InputContext | None = None,
+    schema: schema_lib.Schema | None = None,
+) -> tf.data.Dataset:
+    """Like ``build`` but from a ``DataConfig`` (and optionally an already-read schema)."""
+    schema = schema or schema_lib.read(config.data_dir)
+    files = schema.shard_paths(config.data_dir, split)
+    num_records = schema.split(split).num_records
+    if num_records == 0:
+        raise UsageError(f"split {split!r} of {config.data_dir} is empty; reconvert with more data")
+    shuffle = training and config.shuffle
+    deterministic = config.deterministic or not shuffle
+    batch_size = config.batch_size
+    num_pipelines, pipeline_id = 1, 0
+    if input_context is not None:
+        batch_size = input_context.get_per_replica_batch_size(config.batch_size)
+        num_pipelines, pipeline_id = (
+            input_context.num_input_pipelines,
+            input_context.input_pipeline_id,
+        )
+    _check_input_fits(schema, config)
+
+    ds = tf.data.Dataset.from_tensor_slices(files)
+    # Shard by file when every pipeline gets at least one: no pipeline reads bytes it drops.
+    shard_by_file = num_pipelines > 1 and len(files) >= num_pipelines
+    if shard_by_file:
+        ds = ds.shard(num_pipelines, pipeline_id)
+    if shuffle:
+        # File order first: cheap, and it decorrelates records the converter put in one shard.
+        ds = ds.shuffle(len(files), seed=config.seed, reshuffle_each_iteration=True)
+    # Parallel interleave: reads several shards at once, hiding per-file latency.
+    ds = ds.interleave(
+        tf.data.TFRecordDataset,
+        cycle_length=min(len(files), 16),
+        num_parallel_calls=AUTOTUNE,
+        deterministic=deterministic,
+    )
+    if num_pipelines > 1 and not shard_by_file:
+        ds = ds.shard(num_pipelines, pipeline_id)  # fewer files than pipelines: shard records
+    ds = _parse_and_decode(ds, schema, config, deterministic)
+    # Cache after the deterministic decode: decoding is paid once, augmentation stays random.
+    ds = _cache(ds, schema, config, split, num_pipelines, pipeline_id)
+    if shuffle:
+        buffer = min(config.shuffle_buffer, num_records)
+        ds = ds.shuffle(buffer, seed=config.seed, reshuffle_each_iteration=True)
+    if training:
+        ds = ds.repeat()  # before batch: batches span epoch ends, no short batch mid-run
+        ds = _augment(ds, config, deterministic)
+    # drop_remainder for training: static batch shapes (XLA, replicas) and equal-sized steps.
+    ds = ds.batch(batch_size, drop_remainder=training, num_parallel_calls=AUTOTUNE,
+                  deterministic=deterministic)
+    ds = ds.map(_finalize(schema, config), num_parallel_calls=AUTOTUNE, deterministic=deterministic)
+    ds = ds.prefetch(AUTOTUNE)  # overlap the producer with the training step
+    return ds.with_options(_options(config, deterministic))
+
+
+def _check_input_fits(schema: schema_lib.Schema, config: DataConfig) -> None:
+    feature = schema.input_feature
+    if feature.is_image and None in feature.shape[:2] and not config.image_size:
+        raise UsageError(
+            f"images in {config.data_dir} have varying sizes; pass --image_size=N to resize them "
+            "(or reconvert with --image_max_side)"
+        )
+
+
+def _parse_and_decode(ds, schema, config, deterministic):
+    """Parses records into {"inputs", "label"} and runs the deterministic ops."""
+    spec = schema.parse_spec()
+    feature = schema.input_feature
+    decode_ops = [ops.make_decode(feature)]
+    if feature.is_image and config.image_size and feature.shape[:2] != (
+        config.image_size,
+        config.image_size,
+    ):
+        decode_ops.append(ops.make_resize(config.image_size))
+    decode = ops.compose(decode_ops)
+
+    def select(parsed):
+        return {"inputs": parsed[schema.inputs], "label": parsed[schema.label]}
+
+    mode = config.parse
+    if mode == "auto":
+        mode = "single" if feature.is_image else "batched"
+    if mode == "batched" and not feature.is_image:
+        # Vectorised: one parse_example per 256 records; decode_raw also runs batched.
+        ds = ds.batch(_PARSE_BATCH)
+        ds = ds.map(
+            lambda r: decode(select(tf.io.parse_example(r, spec))),
+            num_parallel_calls=AUTOTUNE,
+            deterministic=deterministic,
+        )
+        return ds.unbatch()
+    if mode == "batched":
+        # Images: parse vectorised, then decode one image at a time (decoders are per image).
+        ds = ds.batch(_PARSE_BATCH).map(
+            lambda r: select(tf.io.parse_example(r, spec)),
+            num_parallel_calls=AUTOTUNE,
+            deterministic=deterministic,
+        )
+        ds = ds.unbatch()
+        return ds.map(decode, num_parallel_calls=AUTOTUNE, deterministic=deterministic)
+    return ds.map(
+        lambda r: decode(select(tf.io.parse_single_example(r, spec))),
+        num_parallel_calls=AUTOTUNE,
+        deterministic=deterministic,
+    )
+
+
+def _augment(ds, config, deterministic):
+    if not config.augment:
+        return ds
+    table = ops.OPS
+    augment = ops.compose_random([table[name][1]() for name in config.augment])
+    # Stateless randomness keyed by (seed, element index): reproducible under parallel maps.
+    ds = ds.enumerate()
+    return ds.map(
+        lambda i, e: augment(e, tf.stack([tf.cast(config.seed, tf.int64), i])),
+        num_parallel_calls=AUTOTUNE,
+        deterministic=deterministic,
+    )
+
+
+def _finalize(schema, config):
+    """Batch-level ops (cheaper than per element), then the (inputs, labels) tuple Keras takes."""
+    feature = schema.input_feature
+    stats = schema.stats.get(schema.inputs)
+    if feature.dtype == "uint8":
+        batch_op = ops.make_normalize()
+    elif stats:
+        batch_op = ops.make_standardize(stats["mean"], stats["std"])
+    else:
+        batch_op = ops.make_normalize(scale=1.0)
+
+    def finalize(batch):
+        batch = batch_op(batch)
+        return batch["inputs"], tf.cast(batch["label"], tf.int32)
+
+    return finalize
+
+
+def _options(config: DataConfig, deterministic: bool) -> tf.data.Options:
+    options = tf.data.Options()
+    # Non-deterministic order lets parallel stages hand over whichever element is ready first.
+    options.deterministic = deterministic
+    if config.ram_budget_mb:
+        options.autotune.ram_budget = config.ram_budget_mb * 2**20
+    # We shard explicitly above; tf.distribute must not shard a second time.
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
+    options.experimental_optimization.map_parallelization = True
+    return options
+
+
+def cache_path(config: DataConfig, schema, split: str, num_pipelines=1, pipeline_id=0) -> str:
+    """The disk cache file for this split and these settings.
+
+    Its name hashes everything that shapes the cached records (the dataset's fingerprint,
+    its shards' checksums and the decode settings), so a changed source or setting gets a
+    new cache instead of silently reusing a stale one.
+    """
+    key = {
+        "cache_format": CACHE_FORMAT,
+        "fingerprint": schema.fingerprint,
+        "shards": [dataclasses.asdict(s) for s in schema.split(split).shards],
+        "feature": schema.input_feature.to_json(),
+        "image_size": config.image_size,
+        "pipelines": [num_pipelines, pipeline_id],
+    }
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    cache_dir = config.cache_dir or os.path.join(config.data_dir, "cache")
+    return os.path.join(cache_dir, f"{split}-{digest}")
+
+
+def _cache(ds, schema, config, split, num_pipelines, pipeline_id):
+    if config.cache == "none":
+        return ds
+    if config.cache == "memory":
+        return ds.cache()
+    path = cache_path(config, schema, split, num_pipelines, pipeline_id)
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"cannot create cache dir {os.path.dirname(path)}: {e.strerror}; "
+                         "pass a writable --cache_dir") from None
+    if not _claim_disk_cache(path):
+        return ds
+    return ds.cache(path)
+
+
+def _claim_disk_cache(path: str) -> bool:
+    """Makes ``path`` usable as a cache file; False if another live process is writing it.
+
+    A run killed while writing a cache leaves ``<path>_0.lockfile`` behind, and TF then fails
+    every later run with AlreadyExistsError. We record the writer's pid next to the cache and
+    clear leftovers whose writer is gone.
+    """
+    if os.path.exists(path + ".index"):
+        return True  # finished cache: reading needs no lock
+    owner_file = path + ".owner"
+    owner = _read_owner(owner_file)
+    me = {"host": socket.gethostname(), "pid": os.getpid()}
+    if owner and owner != me and _alive(owner):
+        logging.warning("cache %s is being written by pid %s; this run reads without it",
+                        path, owner["pid"])
+        return False
+    leftovers = glob.glob(glob.escape(path) + "_*")
+    for stale in leftovers:
+        os.remove(stale)
+    if leftovers:
+        logging.warning("removed %d leftover file(s) of an unfinished cache at %s",
+                        len(leftovers), path)
+    schema_lib.write_json_atomic(owner_file, me)
+    return True
+
+
+def _read_owner(owner_file: str) -> dict | None:
+    try:
+        with open(owner_file) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def _alive(owner: dict) -> bool:
+    if owner.get("host") != socket.gethostname():
+        return True  # cannot tell for another host: assume it is alive
+    try:
+        os.kill(int(owner["pid"]), 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, ValueError, KeyError, TypeError):
+        return True
+    return True

@@ -1,0 +1,98 @@
+"""All absl flags of the training driver, and their conversion into a validated ``Config``.
+
+Library code never reads flags: ``to_config()`` is the only bridge.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from absl import flags
+
+from tfspeed.config import Config, DataConfig, ModelConfig, RuntimeConfig, TrainConfig
+from tfspeed.errors import UsageError
+
+# Data.
+_DATA_DIR = flags.DEFINE_string("data_dir", None, "Converted dataset (holds schema.json).")
+_PREPARE_SOURCE = flags.DEFINE_string(
+    "prepare_source", "", "If --data_dir holds no finished conversion, convert this "
+    "scripts/to_tfrecord.py --source into it first (e.g. 'digits').")
+_BATCH_SIZE = flags.DEFINE_integer("batch_size", 128, "Global batch size of one step.")
+_IMAGE_SIZE = flags.DEFINE_integer("image_size", 0, "Resize images to this square side; 0 keeps them.")
+_CACHE = flags.DEFINE_enum("cache", "memory", ["none", "memory", "disk"],
+                           "Cache decoded records: in RAM, in a file under --cache_dir, or not.")
+_CACHE_DIR = flags.DEFINE_string("cache_dir", "", "Directory for --cache=disk (default DATA_DIR/cache).")
+_SHUFFLE = flags.DEFINE_boolean("shuffle", True, "Shuffle training files and records.")
+_SHUFFLE_BUFFER = flags.DEFINE_integer("shuffle_buffer", 10_000, "Records in the shuffle buffer.")
+_AUGMENT = flags.DEFINE_list("augment", [], "Training augmentations: flip, crop.")
+_DETERMINISTIC = flags.DEFINE_boolean(
+    "deterministic", False, "Fixed element order and seeded everything (slower input).")
+_SEED = flags.DEFINE_integer("seed", 0, "Seed for shuffling, augmentation and initialisation.")
+_PARSE = flags.DEFINE_enum("parse", "auto", ["auto", "batched", "single"],
+                           "Parse records in batches (vectorised) or one by one.")
+_RAM_BUDGET_MB = flags.DEFINE_integer("ram_budget_mb", 0, "Cap for tf.data autotune buffers (0: TF default).")
+_TRAIN_SPLIT = flags.DEFINE_string("train_split", "train", "Split to train on.")
+_EVAL_SPLIT = flags.DEFINE_string("eval_split", "validation", "Split to evaluate on ('' for none).")
+
+# Model.
+_MODEL = flags.DEFINE_string("model", "cnn", "mlp, cnn, resnet50 or mobilenetv2.")
+_WIDTH = flags.DEFINE_integer("width", 0, "Model base width; 0 takes the model's default.")
+_DROPOUT = flags.DEFINE_float("dropout", 0.0, "Dropout before the classifier.")
+
+# Training.
+_MODEL_DIR = flags.DEFINE_string("model_dir", None, "Where logs, checkpoints, the model and report.json go.")
+_EPOCHS = flags.DEFINE_integer("epochs", 1, "Passes over the train split.")
+_TRAIN_STEPS = flags.DEFINE_integer("train_steps", 0, "Total optimizer updates (overrides --epochs).")
+_LEARNING_RATE = flags.DEFINE_float("learning_rate", 1e-3, "Base learning rate.")
+_OPTIMIZER = flags.DEFINE_enum("optimizer", "adam", ["adam", "adamw", "sgd"], "Optimizer.")
+_STEPS_PER_EXECUTION = flags.DEFINE_integer(
+    "steps_per_execution", 1, "Steps per tf.function call (cuts Python overhead).")
+_EVAL_STEPS = flags.DEFINE_integer("eval_steps", 0, "Cap on evaluation batches; 0: the whole split.")
+_LOG_EVERY = flags.DEFINE_integer("log_every", 50, "Steps between throughput measurements.")
+
+
+def parse(argv: list[str]) -> list[str]:
+    """Parses ``argv`` into the flags; a flag error becomes one line and exit status 2."""
+    try:
+        return flags.FLAGS(argv)
+    except flags.Error as e:
+        message = " ".join(str(e).split())
+        print(f"error: {message} (see --helpfull)", file=sys.stderr)
+        sys.exit(2)
+
+
+def to_config() -> Config:
+    """Builds and validates the experiment config from the parsed flags."""
+    if not _DATA_DIR.value:
+        raise UsageError("--data_dir is required: a directory made by scripts/to_tfrecord.py")
+    if not _MODEL_DIR.value:
+        raise UsageError("--model_dir is required: where logs, checkpoints and report.json go")
+    data = DataConfig(
+        data_dir=_DATA_DIR.value,
+        batch_size=_BATCH_SIZE.value,
+        image_size=_IMAGE_SIZE.value,
+        cache=_CACHE.value,
+        cache_dir=_CACHE_DIR.value,
+        shuffle=_SHUFFLE.value,
+        shuffle_buffer=_SHUFFLE_BUFFER.value,
+        augment=tuple(_AUGMENT.value),
+        deterministic=_DETERMINISTIC.value,
+        seed=_SEED.value,
+        parse=_PARSE.value,
+        ram_budget_mb=_RAM_BUDGET_MB.value,
+        train_split=_TRAIN_SPLIT.value,
+        eval_split=_EVAL_SPLIT.value,
+        prepare_source=_PREPARE_SOURCE.value,
+    )
+    model = ModelConfig(name=_MODEL.value, width=_WIDTH.value, dropout=_DROPOUT.value)
+    train = TrainConfig(
+        epochs=_EPOCHS.value,
+        train_steps=_TRAIN_STEPS.value,
+        learning_rate=_LEARNING_RATE.value,
+        optimizer=_OPTIMIZER.value,
+        steps_per_execution=_STEPS_PER_EXECUTION.value,
+        eval_steps=_EVAL_STEPS.value,
+        log_every=_LOG_EVERY.value,
+    )
+    return Config(data=data, model=model, runtime=RuntimeConfig(), train=train,
+                  model_dir=_MODEL_DIR.value).validate()

@@ -1,0 +1,96 @@
+"""Model registry: name -> builder. Builders know nothing of strategies, precision or data files.
+
+Every model maps an input of ``input_shape`` to ``num_classes`` logits from a float32 Dense
+layer: under a mixed-precision policy the classifier (and so the softmax inside the loss)
+stays float32, which keeps the loss numerically sound.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import keras
+
+from tfspeed.config import ModelConfig
+from tfspeed.errors import UsageError
+
+Builder = Callable[[ModelConfig, Sequence[int], int], keras.Model]
+
+
+def _classifier(x, config: ModelConfig, num_classes: int):
+    if config.dropout:
+        x = keras.layers.Dropout(config.dropout)(x)
+    return keras.layers.Dense(num_classes, dtype="float32", name="logits")(x)
+
+
+def build_mlp(config: ModelConfig, input_shape: Sequence[int], num_classes: int) -> keras.Model:
+    """Two hidden ReLU layers on the flattened input (tabular data, tiny images)."""
+    width = config.width or 256
+    inputs = keras.Input(tuple(input_shape), name="inputs")
+    x = keras.layers.Flatten()(inputs)
+    x = keras.layers.Dense(width, activation="relu")(x)
+    x = keras.layers.Dense(width, activation="relu")(x)
+    return keras.Model(inputs, _classifier(x, config, num_classes), name="mlp")
+
+
+def build_cnn(config: ModelConfig, input_shape: Sequence[int], num_classes: int) -> keras.Model:
+    """A small VGG-style CNN: two conv blocks, global pooling, classifier."""
+    _require_image(input_shape, "cnn")
+    width = config.width or 32
+    inputs = keras.Input(tuple(input_shape), name="inputs")
+    x = inputs
+    for i, filters in enumerate((width, width * 2)):
+        x = keras.layers.Conv2D(filters, 3, padding="same", activation="relu")(x)
+        x = keras.layers.Conv2D(filters, 3, padding="same", activation="relu")(x)
+        if i == 0 and min(input_shape[:2]) >= 8:
+            x = keras.layers.MaxPooling2D()(x)
+    x = keras.layers.GlobalAveragePooling2D()(x)
+    return keras.Model(inputs, _classifier(x, config, num_classes), name="cnn")
+
+
+def _application(name: str, factory: Callable[..., keras.Model], min_side: int) -> Builder:
+    def build(config: ModelConfig, input_shape: Sequence[int], num_classes: int) -> keras.Model:
+        _require_image(input_shape, name)
+        if input_shape[-1] != 3 or min(input_shape[:2]) < min_side:
+            raise UsageError(
+                f"--model={name} needs RGB images of at least {min_side}x{min_side}; the data "
+                f"gives {tuple(input_shape)}: pass --image_size={max(min_side, 224)} or another --model"
+            )
+        inputs = keras.Input(tuple(input_shape), name="inputs")
+        # weights=None: no download (and these machines have no hub access).
+        backbone = factory(include_top=False, weights=None, input_tensor=inputs, pooling="avg")
+        return keras.Model(inputs, _classifier(backbone.output, config, num_classes), name=name)
+
+    return build
+
+
+def _require_image(input_shape: Sequence[int], name: str) -> None:
+    if len(input_shape) != 3:
+        raise UsageError(
+            f"--model={name} needs image inputs (height, width, channels); the data gives "
+            f"shape {tuple(input_shape)}: use --model=mlp"
+        )
+
+
+MODELS: dict[str, Builder] = {
+    "mlp": build_mlp,
+    "cnn": build_cnn,
+    "resnet50": _application("resnet50", keras.applications.ResNet50, 32),
+    "mobilenetv2": _application("mobilenetv2", keras.applications.MobileNetV2, 32),
+}
+
+
+def build(config: ModelConfig, input_shape: Sequence[int], num_classes: int) -> keras.Model:
+    """Builds the model named by ``config.name``.
+
+    Args:
+      config: which model, its width and dropout.
+      input_shape: shape of one input example (no batch dimension).
+      num_classes: size of the classifier.
+
+    Returns:
+      An unbuilt-optimizer ``keras.Model`` producing float32 logits.
+    """
+    if config.name not in MODELS:
+        raise UsageError(f"--model={config.name!r} is not one of: {', '.join(MODELS)}")
+    return MODELS[config.name](config, input_shape, num_classes)

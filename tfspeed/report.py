@@ -1,0 +1,47 @@
+"""report.json and the human summary of a run."""
+
+from __future__ import annotations
+
+import os
+import platform
+
+import keras
+import tensorflow as tf
+
+from tfspeed.data.schema import write_json_atomic
+
+
+def versions() -> dict[str, str]:
+    """Versions of what shapes speed and results: Python, TensorFlow, Keras, the machine."""
+    return {
+        "python": platform.python_version(),
+        "tensorflow": tf.__version__,
+        "keras": keras.__version__,
+        "machine": platform.machine(),
+        "cpus": str(os.cpu_count()),
+    }
+
+
+def write(model_dir: str, report: dict) -> str:
+    """Writes ``model_dir/report.json`` atomically; returns its path."""
+    path = os.path.join(model_dir, "report.json")
+    write_json_atomic(path, {**report, "versions": versions()})
+    return path
+
+
+def summary_lines(report: dict) -> list[str]:
+    """A few lines a person reads at the end of a run."""
+    lines = [
+        f"eval_accuracy={report.get('eval_accuracy', float('nan')):.4f}  "
+        f"eval_loss={report.get('eval_loss', float('nan')):.4f}  "
+        f"updates={report['optimizer_updates']}",
+        f"throughput: {report['examples_per_sec']:.0f} examples/s, "
+        f"{report['step_time_ms']:.2f} ms/step (median over {report['steps_measured']} steps)",
+    ]
+    runtime = report.get("runtime", {})
+    if runtime:
+        lines.append(
+            f"runtime: {runtime['strategy']} x{runtime['num_replicas']}, "
+            f"{runtime['precision']}, xla={'on' if runtime['xla'] else 'off'}"
+        )
+    return lines

@@ -1,0 +1,118 @@
+"""The training driver: ``python -m tfspeed.train --flagfile=pipelines/digits.flags``.
+
+Kept thin on purpose: parse flags into a Config, then ``run(config)``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+
+from absl import app, logging
+
+from tfspeed import flags as tfspeed_flags
+from tfspeed.config import Config
+from tfspeed.cli import main_entry
+from tfspeed.errors import UsageError
+
+
+def run(config: Config) -> dict:
+    """Runs one experiment end to end and returns the report (also written to model_dir).
+
+    Args:
+      config: a validated experiment config.
+
+    Returns:
+      The report dict: evaluation metrics, throughput, updates, resolved settings.
+    """
+    import keras
+
+    from tfspeed import models, report, runtime, trainer
+    from tfspeed.data import pipeline
+    from tfspeed.data import schema as schema_lib
+
+    _make_dir(config.model_dir)
+    prepare_seconds = _prepare_data(config)
+    rt = runtime.setup(config.runtime)
+    keras.utils.set_random_seed(config.data.seed)
+    schema = schema_lib.read(config.data.data_dir)
+    data = config.data
+    num_train = schema.split(data.train_split).num_records
+    if data.batch_size > num_train:
+        raise UsageError(f"--batch_size={data.batch_size} is larger than the {num_train} "
+                         f"records of split {data.train_split!r}; lower --batch_size")
+    train_ds = pipeline.build_from_config(data, data.train_split, training=True, schema=schema)
+    eval_ds, eval_steps = None, None
+    if data.eval_split:
+        eval_ds = pipeline.build_from_config(data, data.eval_split, training=False, schema=schema)
+        eval_steps = math.ceil(schema.split(data.eval_split).num_records / data.batch_size)
+    input_shape = train_ds.element_spec[0].shape[1:]
+    with rt.strategy.scope():
+        model = models.build(config.model, input_shape, schema.num_classes)
+    result = trainer.fit(
+        model, train_ds, eval_ds, config.train, rt,
+        steps_per_epoch=num_train // data.batch_size,
+        eval_steps=eval_steps,
+        global_batch_size=data.batch_size,
+        model_dir=config.model_dir,
+    )
+    model.save(os.path.join(config.model_dir, "model.keras"))
+    out = {
+        "eval_accuracy": result.eval_metrics.get("accuracy"),
+        "eval_loss": result.eval_metrics.get("loss"),
+        **result.throughput,
+        "optimizer_updates": result.optimizer_updates,
+        "train_metrics": {k: float(v[-1]) for k, v in result.history.items()},
+        "seconds": {"prepare_data": prepare_seconds, **result.seconds},
+        "runtime": rt.to_json(),
+        "dataset": {"source": schema.source, "num_train": num_train,
+                    "num_classes": schema.num_classes, "input_shape": list(input_shape)},
+        "config": config.to_json(),
+    }
+    path = report.write(config.model_dir, out)
+    for line in report.summary_lines(out):
+        print(line)
+    print(f"report: {path}")
+    return out
+
+
+def _prepare_data(config: Config) -> float:
+    """Converts ``--prepare_source`` into the data dir if no finished conversion is there."""
+    from tfspeed.data.schema import SCHEMA_FILE
+
+    source = config.data.prepare_source
+    if not source or os.path.exists(os.path.join(config.data.data_dir, SCHEMA_FILE)):
+        return 0.0
+    from tfspeed.data.convert import convert
+
+    logging.info("converting %s into %s first", source, config.data.data_dir)
+    result = convert(source, config.data.data_dir, progress=sys.stdout.isatty())
+    return float(result.summary["seconds"])
+
+
+def _make_dir(path: str) -> None:
+    try:
+        os.makedirs(path, exist_ok=True)
+        probe = os.path.join(path, ".write-test")
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.remove(probe)
+    except OSError as e:
+        raise UsageError(f"--model_dir={path} is not writable ({e.strerror}); pick another "
+                         "directory") from None
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        raise UsageError(f"unexpected arguments {argv[1:]}: every option is a --flag")
+    run(tfspeed_flags.to_config())
+
+
+def run_main() -> None:
+    """Console entry point: one-line errors with exit status 2 for user mistakes."""
+    main_entry(lambda: app.run(main, flags_parser=tfspeed_flags.parse))
+
+
+if __name__ == "__main__":
+    run_main()
