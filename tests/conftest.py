@@ -1,0 +1,68 @@
+"""Shared, session-scoped fixtures: datasets written once by the real converter."""
+
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import tensorflow as tf  # noqa: E402
+from PIL import Image  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+
+# Two logical CPU devices, so MirroredStrategy runs with 2 replicas; this has to happen
+# before any op runs in the test process.
+_cpus = tf.config.list_physical_devices("CPU")
+tf.config.set_logical_device_configuration(_cpus[0], [tf.config.LogicalDeviceConfiguration()] * 2)
+
+
+def write_photos(root: Path, classes: int = 3, per_class: int = 12, seed: int = 0) -> Path:
+    """Small JPEGs of varying size (20-40 px), one folder per class."""
+    rng = np.random.default_rng(seed)
+    for c in range(classes):
+        folder = root / f"class_{c}"
+        folder.mkdir(parents=True, exist_ok=True)
+        for i in range(per_class):
+            h, w = rng.integers(20, 41, size=2)
+            pixels = rng.integers(0, 256, size=(h, w, 3), dtype=np.uint8)
+            Image.fromarray(pixels).save(folder / f"img_{i:03d}.jpg", "JPEG", quality=90)
+    return root
+
+
+@pytest.fixture(scope="session")
+def digits_dir(tmp_path_factory) -> str:
+    """The digits demo, converted into 4 train shards (and 1 validation shard)."""
+    from tfspeed.data.convert import convert
+
+    out = tmp_path_factory.mktemp("digits") / "data"
+    convert("digits", str(out), shards=4)
+    return str(out)
+
+
+@pytest.fixture(scope="session")
+def photos_dir(tmp_path_factory) -> str:
+    """A converted folder of 36 JPEGs of varying size in 3 classes."""
+    from tfspeed.data.convert import convert
+
+    root = write_photos(tmp_path_factory.mktemp("photos") / "src")
+    out = root.parent / "data"
+    convert(f"imagefolder:{root}", str(out), shards=3, validation_fraction=0.25)
+    return str(out)
+
+
+@pytest.fixture(scope="session")
+def tabular_dir(tmp_path_factory) -> str:
+    """A converted .npz of 300 float feature vectors with 3 classes."""
+    from tfspeed.data.convert import convert
+
+    rng = np.random.default_rng(1)
+    y = rng.integers(0, 3, size=300)
+    x = (rng.normal(size=(300, 5)) * 4 + 10 + y[:, None]).astype(np.float32)
+    root = tmp_path_factory.mktemp("tabular")
+    np.savez(root / "data.npz", x=x, y=y)
+    out = root / "data"
+    convert(f"npz:{root / 'data.npz'}", str(out), shards=2)
+    return str(out)

@@ -1,0 +1,154 @@
+"""The pipeline builder on datasets written by the real converter."""
+
+import glob
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from sklearn.datasets import load_digits
+
+import tfspeed.data
+from tfspeed.config import DataConfig
+from tfspeed.data import pipeline
+from tfspeed.data import schema as schema_lib
+from tfspeed.errors import UsageError
+
+
+def _all(ds):
+    xs, ys = zip(*((x.numpy(), y.numpy()) for x, y in ds))
+    return np.concatenate(xs), np.concatenate(ys)
+
+
+def test_eval_split_yields_every_record_once_with_source_values(digits_dir):
+    schema = schema_lib.read(digits_dir)
+    x, y = _all(tfspeed.data.build(digits_dir, "validation", 64))
+    assert len(x) == schema.split("validation").num_records
+    assert x.shape[1:] == (8, 8, 1) and x.dtype == np.float32 and y.dtype == np.int32
+    # Every example is one of the real digits with its own label (pixels scaled to [0, 1]).
+    digits = load_digits()
+    source = {np.round(img * 255 / 16).astype(np.uint8).tobytes(): label
+              for img, label in zip(digits.images, digits.target)}
+    for image, label in zip(x, y):
+        key = np.round(image[..., 0] * 255).astype(np.uint8).tobytes()
+        assert source[key] == label
+
+
+def test_training_batches_are_full_shuffled_and_repeat(digits_dir):
+    num_train = schema_lib.read(digits_dir).split("train").num_records
+    ds = tfspeed.data.build(digits_dir, "train", 100, training=True, seed=3)
+    assert ds.element_spec[0].shape.as_list() == [100, 8, 8, 1]
+    batches = num_train // 100 + 3  # more than one epoch: the dataset must repeat
+    labels = [y.numpy() for _, y in ds.take(batches)]
+    assert len(labels) == batches
+    eval_labels = _all(tfspeed.data.build(digits_dir, "train", 100))[1]
+    assert not np.array_equal(np.concatenate(labels)[:num_train], eval_labels)
+
+
+def test_deterministic_runs_match_and_augment_changes_pixels(digits_dir):
+    options = dict(training=True, deterministic=True, seed=5, augment=("crop",), cache="none")
+    first = [x.numpy() for x, _ in tfspeed.data.build(digits_dir, "train", 32, **options).take(3)]
+    again = [x.numpy() for x, _ in tfspeed.data.build(digits_dir, "train", 32, **options).take(3)]
+    np.testing.assert_array_equal(first, again)
+    plain = dict(options, augment=())
+    unaugmented = [x.numpy() for x, _ in tfspeed.data.build(digits_dir, "train", 32, **plain).take(3)]
+    assert not np.array_equal(first, unaugmented)
+
+
+def test_parse_modes_give_the_same_elements(digits_dir, tabular_dir):
+    for data_dir in (digits_dir, tabular_dir):
+        single = _all(tfspeed.data.build(data_dir, "validation", 16, parse="single"))
+        batched = _all(tfspeed.data.build(data_dir, "validation", 16, parse="batched"))
+        np.testing.assert_array_equal(single[0], batched[0])
+        np.testing.assert_array_equal(single[1], batched[1])
+
+
+def test_tabular_features_are_standardized(tabular_dir):
+    x, y = _all(tfspeed.data.build(tabular_dir, "train", 50))
+    assert x.shape[1:] == (5,)
+    np.testing.assert_allclose(x.mean(0), 0, atol=1e-4)
+    np.testing.assert_allclose(x.std(0), 1, atol=1e-3)
+    assert set(np.unique(y)) == {0, 1, 2}
+
+
+def test_images_of_varying_size_need_image_size(photos_dir):
+    with pytest.raises(UsageError, match="--image_size"):
+        tfspeed.data.build(photos_dir, "train", 4)
+    x, _ = _all(tfspeed.data.build(photos_dir, "validation", 4, image_size=16))
+    assert x.shape[1:] == (16, 16, 3) and 0 <= x.min() and x.max() <= 1
+
+
+@pytest.mark.parametrize("shards_in_split", ["train", "validation"])  # 4 shards vs 1 shard
+def test_input_contexts_split_the_data_disjointly(digits_dir, shards_in_split):
+    """Two pipelines read disjoint parts whose union is the whole split (by file or record)."""
+    parts = []
+    for pipeline_id in range(2):
+        context = tf.distribute.InputContext(2, pipeline_id, 2)
+        ds = tfspeed.data.build(digits_dir, shards_in_split, 2, input_context=context)
+        assert ds.element_spec[0].shape.as_list()[0] in (1, None)  # per-replica batch: 2 / 2
+        parts.append({img.tobytes() for img in _all(ds)[0]})
+    whole = _all(tfspeed.data.build(digits_dir, shards_in_split, 64))[0]
+    assert parts[0].isdisjoint(parts[1])
+    assert len(parts[0]) + len(parts[1]) == len({img.tobytes() for img in whole})
+
+
+def test_disk_cache_name_changes_with_source_and_settings(digits_dir, tmp_path):
+    schema = schema_lib.read(digits_dir)
+    config = DataConfig(data_dir=digits_dir, cache="disk", cache_dir=str(tmp_path))
+    base = pipeline.cache_path(config, schema, "train")
+    assert base == pipeline.cache_path(config, schema, "train")
+    resized = DataConfig(data_dir=digits_dir, cache="disk", cache_dir=str(tmp_path), image_size=6)
+    assert pipeline.cache_path(resized, schema, "train") != base
+    changed = schema_lib.Schema(**{**schema.__dict__, "fingerprint": "another source"})
+    assert pipeline.cache_path(config, changed, "train") != base
+    assert pipeline.cache_path(config, schema, "validation") != base
+
+
+def test_disk_cache_is_written_then_reused(digits_dir, tmp_path):
+    options = dict(cache="disk", cache_dir=str(tmp_path))
+    first = _all(tfspeed.data.build(digits_dir, "validation", 64, **options))
+    assert glob.glob(str(tmp_path / "validation-*.index"))
+    again = _all(tfspeed.data.build(digits_dir, "validation", 64, **options))
+    np.testing.assert_array_equal(first[0], again[0])
+
+
+def test_lock_left_by_a_killed_run_does_not_wedge_the_next(digits_dir, tmp_path):
+    """A real process is killed while writing the cache; the next run still works."""
+    code = (
+        "import os, signal, tfspeed.data as d\n"
+        f"ds = d.build({digits_dir!r}, 'validation', 8, cache='disk', cache_dir={str(tmp_path)!r})\n"
+        "it = iter(ds); next(it)\n"
+        "os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=120)
+    assert proc.returncode == -9
+    assert glob.glob(str(tmp_path / "*.lockfile")), "the killed run should leave its lock"
+    x, _ = _all(tfspeed.data.build(digits_dir, "validation", 64, cache="disk",
+                                   cache_dir=str(tmp_path)))
+    assert len(x) == schema_lib.read(digits_dir).split("validation").num_records
+    assert glob.glob(str(tmp_path / "validation-*.index"))
+
+
+def test_cache_being_written_by_a_live_process_is_left_alone(digits_dir, tmp_path):
+    config = DataConfig(data_dir=digits_dir, cache="disk", cache_dir=str(tmp_path))
+    path = pipeline.cache_path(config, schema_lib.read(digits_dir), "validation")
+    schema_lib.write_json_atomic(path + ".owner", {"host": os.uname().nodename, "pid": os.getppid()})
+    lock = path + "_0.lockfile"
+    open(lock, "w").close()
+    x, _ = _all(tfspeed.data.build(digits_dir, "validation", 64, cache="disk",
+                                   cache_dir=str(tmp_path)))
+    assert len(x) == schema_lib.read(digits_dir).split("validation").num_records
+    assert os.path.exists(lock), "a live writer's lock must not be removed"
+
+
+def test_bad_settings_are_one_line_usage_errors(digits_dir, tmp_path):
+    with pytest.raises(UsageError, match="--cache='ram'"):
+        tfspeed.data.build(digits_dir, "train", 8, cache="ram")
+    with pytest.raises(UsageError, match="--augment='rotate'"):
+        tfspeed.data.build(digits_dir, "train", 8, augment=("rotate",))
+    with pytest.raises(UsageError, match="no split 'test'"):
+        tfspeed.data.build(digits_dir, "test", 8)
+    with pytest.raises(UsageError, match="schema.json not found"):
+        tfspeed.data.build(str(tmp_path), "train", 8)
