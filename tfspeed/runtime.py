@@ -1,13 +1,159 @@
-"""Runtime: the strategy, precision policy and XLA choice, resolved once from RuntimeConfig."""
+"""Runtime: the strategy, precision policy and XLA choice, resolved once from RuntimeConfig.
+
+Resolution is split in two so the "auto" logic can be tested for every kind of machine:
+``detect_hardware()`` describes this machine (the only part that asks TensorFlow), and
+``resolve(config, hardware)`` is a pure function from that description to choices, each
+with the reason it was made. ``setup`` applies the choices.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 
-import keras
-import tensorflow as tf
+from absl import logging
 
 from tfspeed.config import RuntimeConfig
+from tfspeed.errors import UsageError
+
+# Compute capability from which GPUs have tensor cores for float16 (Volta), and for
+# bfloat16 at full speed (Ampere).
+FLOAT16_MIN_CC = (7, 0)
+BFLOAT16_MIN_CC = (8, 0)
+CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+    """What this machine offers.
+
+    Attributes:
+      gpus: compute capability (major, minor) of each visible GPU.
+      tpus: number of TPU devices.
+      cpu_flags: the CPU's feature flags (from /proc/cpuinfo), lower case.
+    """
+
+    gpus: tuple[tuple[int, int], ...] = ()
+    tpus: int = 0
+    cpu_flags: frozenset[str] = frozenset()
+
+    @property
+    def cpu_has_bf16(self) -> bool:
+        return any(flag in self.cpu_flags for flag in CPU_BF16_FLAGS)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """The resolved choices, before anything is applied.
+
+    Attributes:
+      strategy: ``default``, ``one_device`` or ``mirrored``.
+      cpu_replicas: logical CPU devices to create (0: none).
+      precision: Keras dtype policy name.
+      loss_scale: dynamic loss scaling (float16 only).
+      xla: XLA-compile the per-replica step.
+      gpu_memory_growth: allocate GPU memory as needed instead of all at start.
+      reasons: one sentence per choice.
+    """
+
+    strategy: str
+    cpu_replicas: int
+    precision: str
+    loss_scale: bool
+    xla: bool
+    gpu_memory_growth: bool
+    reasons: dict[str, str]
+
+
+def detect_hardware() -> Hardware:
+    """Describes this machine's accelerators and CPU features."""
+    import tensorflow as tf
+
+    gpus = []
+    for gpu in tf.config.list_physical_devices("GPU"):
+        details = tf.config.experimental.get_device_details(gpu)
+        gpus.append(tuple(details.get("compute_capability", (0, 0))))
+    return Hardware(
+        gpus=tuple(gpus),
+        tpus=len(tf.config.list_physical_devices("TPU")),
+        cpu_flags=_cpu_flags(),
+    )
+
+
+def _cpu_flags() -> frozenset[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def resolve(config: RuntimeConfig, hw: Hardware) -> Plan:
+    """Turns ``config`` (possibly ``auto``) into concrete choices for ``hw``.
+
+    Raises:
+      UsageError: for settings this machine cannot honour, naming the flag and the fix.
+    """
+    reasons = {}
+    if config.cpu_replicas and hw.gpus:
+        raise UsageError(f"--cpu_replicas={config.cpu_replicas} splits the CPU for testing, but "
+                         f"{len(hw.gpus)} GPU(s) are present: drop --cpu_replicas")
+    strategy = config.strategy
+    if strategy == "auto":
+        if len(hw.gpus) > 1:
+            strategy, reasons["strategy"] = "mirrored", f"auto: {len(hw.gpus)} GPUs visible"
+        elif config.cpu_replicas > 1:
+            strategy, reasons["strategy"] = "mirrored", (
+                f"auto: --cpu_replicas={config.cpu_replicas} logical CPU devices")
+        else:
+            strategy, reasons["strategy"] = "default", "auto: one device"
+    else:
+        reasons["strategy"] = f"--strategy={strategy}"
+
+    precision, loss_scale = config.precision, False
+    if precision == "auto":
+        precision, reasons["precision"] = _auto_precision(hw)
+    elif precision == "mixed_float16" and not hw.gpus:
+        raise UsageError(
+            "--precision=mixed_float16 needs a GPU (this machine has none and emulates float16 "
+            "slowly); use --precision=auto" + (" (bfloat16 is native on this CPU)"
+                                               if hw.cpu_has_bf16 else " or float32")
+        )
+    else:
+        reasons["precision"] = f"--precision={precision}"
+    if precision == "mixed_float16":
+        loss_scale = True
+        reasons["precision"] += "; dynamic loss scaling keeps small float16 gradients"
+
+    accelerator = bool(hw.gpus or hw.tpus)
+    if config.xla == "auto":
+        xla = accelerator
+        reasons["xla"] = ("auto: on for GPU/TPU, where fused kernels usually win" if xla else
+                          "auto: off on CPU (measured slower here, plus compile time)")
+    else:
+        xla = config.xla == "on"
+        reasons["xla"] = f"--xla={config.xla}"
+    return Plan(strategy=strategy, cpu_replicas=config.cpu_replicas, precision=precision,
+                loss_scale=loss_scale, xla=xla, gpu_memory_growth=bool(hw.gpus), reasons=reasons)
+
+
+def _auto_precision(hw: Hardware) -> tuple[str, str]:
+    if hw.tpus:
+        return "mixed_bfloat16", "auto: TPU computes in bfloat16 natively"
+    if hw.gpus:
+        cc = min(hw.gpus)
+        if cc >= BFLOAT16_MIN_CC:
+            return "mixed_bfloat16", (f"auto: GPU compute capability {cc[0]}.{cc[1]} runs "
+                                      "bfloat16 at float16 speed without loss scaling")
+        if cc >= FLOAT16_MIN_CC:
+            return "mixed_float16", (f"auto: GPU compute capability {cc[0]}.{cc[1]} has float16 "
+                                     "tensor cores")
+        return "float32", f"auto: GPU compute capability {cc[0]}.{cc[1]} has no tensor cores"
+    if hw.cpu_has_bf16:
+        return "mixed_bfloat16", "auto: this CPU has native bfloat16 (AVX512_BF16/AMX)"
+    return "float32", "auto: this CPU has no native bfloat16"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -16,40 +162,91 @@ class Runtime:
 
     Attributes:
       strategy: the ``tf.distribute`` strategy; build models and optimizers in its scope.
-      precision: the Keras dtype policy name in force.
-      xla: whether the per-replica step is XLA-compiled.
-      reasons: for each choice, a sentence saying why (recorded in report.json).
+      plan: the resolved choices and their reasons.
     """
 
-    strategy: tf.distribute.Strategy
-    precision: str
-    xla: bool
-    reasons: dict[str, str]
+    strategy: object
+    plan: Plan
 
     @property
     def num_replicas(self) -> int:
         return self.strategy.num_replicas_in_sync
 
+    @property
+    def precision(self) -> str:
+        return self.plan.precision
+
+    @property
+    def xla(self) -> bool:
+        return self.plan.xla
+
     def to_json(self) -> dict:
         return {
-            "strategy": type(self.strategy).__name__,
+            "strategy": self.plan.strategy,
             "num_replicas": self.num_replicas,
-            "precision": self.precision,
-            "xla": self.xla,
-            "reasons": dict(self.reasons),
+            "devices": list(getattr(self.strategy.extended, "worker_devices", ())),
+            "precision": self.plan.precision,
+            "loss_scale": self.plan.loss_scale,
+            "xla": self.plan.xla,
+            "reasons": dict(self.plan.reasons),
         }
 
 
-def setup(config: RuntimeConfig) -> Runtime:
-    """Resolves ``config`` against this machine and sets the global precision policy."""
-    keras.mixed_precision.set_global_policy("float32")
-    return Runtime(
-        strategy=tf.distribute.get_strategy(),
-        precision="float32",
-        xla=False,
-        reasons={
-            "strategy": "default strategy: one device",
-            "precision": "float32",
-            "xla": "off",
-        },
-    )
+def setup(config: RuntimeConfig, hw: Hardware | None = None) -> Runtime:
+    """Resolves ``config`` for this machine, configures devices and the precision policy.
+
+    Must run before TensorFlow executes any op when ``cpu_replicas`` or GPU memory growth
+    apply (device configuration is fixed once the runtime starts).
+    """
+    import keras
+    import tensorflow as tf
+
+    hw = hw or detect_hardware()
+    plan = resolve(config, hw)
+    if plan.gpu_memory_growth:
+        for gpu in tf.config.list_physical_devices("GPU"):
+            _configure(lambda g=gpu: tf.config.experimental.set_memory_growth(g, True),
+                       "GPU memory growth")
+    if plan.cpu_replicas > 1:
+        _split_cpu(plan.cpu_replicas)
+    keras.mixed_precision.set_global_policy(plan.precision)
+    return Runtime(strategy=_make_strategy(plan), plan=plan)
+
+
+def _split_cpu(replicas: int) -> None:
+    import tensorflow as tf
+
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    current = tf.config.get_logical_device_configuration(cpu) or []
+    if len(current) >= replicas:
+        return
+    _configure(lambda: tf.config.set_logical_device_configuration(
+        cpu, [tf.config.LogicalDeviceConfiguration()] * replicas), "--cpu_replicas")
+
+
+def _configure(apply, what: str) -> None:
+    try:
+        apply()
+    except RuntimeError as e:  # TF already initialised its devices in this process
+        logging.warning("%s not applied: %s", what, e)
+
+
+def _make_strategy(plan: Plan):
+    import tensorflow as tf
+
+    gpus = tf.config.list_logical_devices("GPU")
+    if plan.strategy == "default":
+        return tf.distribute.get_strategy()
+    if plan.strategy == "one_device":
+        return tf.distribute.OneDeviceStrategy(gpus[0].name if gpus else "/cpu:0")
+    if gpus:
+        return tf.distribute.MirroredStrategy()
+    cpus = [d.name for d in tf.config.list_logical_devices("CPU")]
+    if plan.cpu_replicas and len(cpus) < plan.cpu_replicas:
+        raise UsageError(f"--cpu_replicas={plan.cpu_replicas} could not be applied (TensorFlow "
+                         "was already initialised): set it before anything runs")
+    if plan.cpu_replicas:
+        cpus = cpus[: plan.cpu_replicas]
+    elif len(cpus) > 1:
+        cpus = cpus[:1]  # logical devices made by someone else: --cpu_replicas decides
+    return tf.distribute.MirroredStrategy(cpus)
