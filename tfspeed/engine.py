@@ -1,0 +1,382 @@
+"""Custom training engine: gradient accumulation, per-replica XLA, dynamic loss scaling and
+many micro-steps per `tf.function` call, under any `tf.distribute` strategy.
+
+Stock Keras 3 (3.15, TF 2.21) fails under `MirroredStrategy` with 2 replicas for each of these
+features, so the engine replaces `model.fit` with a loop that keeps every collective and every
+variable update out of the places where tf.distribute breaks:
+
+* **Accumulation** (keras#20582: the optimizer's `ops.cond` around `merge_call` in replica
+  context). Each replica adds its gradients into `ON_READ`/`SUM` variables; "apply now?" is a
+  `tf.cond` on the micro-step counter taken in *cross-replica* context, whose branch all-reduces
+  the accumulators, applies them with the optimizer (in cross-replica context, so Keras does not
+  all-reduce a second time) and zeroes them. `optimizer.iterations` counts updates.
+* **XLA** (keras#19005, tensorflow#56423: one XLA cluster cannot touch variables of two
+  devices). Only the per-replica forward+backward is `tf.function(jit_compile=True)`; the
+  all-reduce and `apply_gradients` run outside XLA.
+* **steps_per_execution** (Keras' own fails with 2 replicas): one `tf.function` runs a
+  `tf.range` loop that calls `strategy.run` and reduces the metrics inside the loop.
+* **Loss scaling**: the loss is multiplied by a scale variable that only changes at update
+  boundaries, so all micro-batches of one update share it; the sum is unscaled once, checked for
+  inf/NaN after the all-reduce (so every replica takes the same branch) and skipped if not finite.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Callable, Iterable
+
+import keras
+import tensorflow as tf
+from absl import logging
+
+LossFn = Callable[[tf.Tensor, tf.Tensor], tf.Tensor]
+_SUM = tf.distribute.ReduceOp.SUM
+_ONLY_FIRST = tf.VariableAggregation.ONLY_FIRST_REPLICA
+
+
+def ensure_cpu_devices(n: int = 2) -> int:
+    """Splits the first physical CPU into `n` logical devices, if TF still allows it.
+
+    Must run before any op; if TF is already initialised (or the split was made already) the
+    existing devices are kept.
+
+    Returns:
+        The number of logical CPU devices.
+    """
+    cpus = tf.config.list_physical_devices("CPU")
+    try:
+        if len(tf.config.get_logical_device_configuration(cpus[0]) or ()) < n:
+            tf.config.set_logical_device_configuration(
+                cpus[0], [tf.config.LogicalDeviceConfiguration()] * n
+            )
+    except RuntimeError:  # "Virtual devices cannot be modified after being initialized"
+        pass
+    return len(tf.config.list_logical_devices("CPU"))
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineOptions:
+    """How `Engine` runs training.
+
+    Attributes:
+        grad_accum_steps: micro-batches per optimizer update (K). K micro-batches of global size
+            b give the update of one batch of size K*b.
+        steps_per_execution: micro-steps run by one `Engine.train` call (one `tf.function` call).
+            Need not be a multiple of `grad_accum_steps`: accumulation spans calls.
+        xla: compile the per-replica forward+backward with XLA.
+        loss_scale: dynamic loss scaling (use with mixed_float16).
+        initial_loss_scale: starting scale (Keras' default).
+        loss_scale_growth_interval: finite updates in a row after which the scale doubles.
+    """
+
+    grad_accum_steps: int = 1
+    steps_per_execution: int = 1
+    xla: bool = False
+    loss_scale: bool = False
+    initial_loss_scale: float = 2.0**15
+    loss_scale_growth_interval: int = 2000
+
+    def __post_init__(self):
+        for name in ("grad_accum_steps", "steps_per_execution", "loss_scale_growth_interval"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"EngineOptions.{name} must be an int >= 1, got {value!r}")
+        if not self.initial_loss_scale >= 1:
+            raise ValueError(
+                f"EngineOptions.initial_loss_scale must be >= 1, got {self.initial_loss_scale!r}"
+            )
+
+
+class _EngineState(tf.Module):
+    """The engine's variables, trackable so a checkpoint holds a half-accumulated update."""
+
+    def __init__(self, trainable_variables: list, options: EngineOptions):
+        super().__init__(name="engine")
+        counter = dict(trainable=False, dtype=tf.int64, aggregation=_ONLY_FIRST)
+        self.micro_steps = tf.Variable(0, name="micro_steps", **counter)
+        self.skipped_updates = tf.Variable(0, name="skipped_updates", **counter)
+        # ON_READ/SUM: each replica adds to its own copy without communication; a read in
+        # cross-replica context (and a checkpoint) sees the sum over replicas, and a restore
+        # splits it evenly again, so the sum survives a change in the number of replicas.
+        self.accumulators = (
+            [
+                tf.Variable(
+                    tf.zeros(v.shape, _accumulator_dtype(v.dtype)),
+                    trainable=False,
+                    name=f"grad_accum_{i}",
+                    synchronization=tf.VariableSynchronization.ON_READ,
+                    aggregation=tf.VariableAggregation.SUM,
+                )
+                for i, v in enumerate(trainable_variables)
+            ]
+            if options.grad_accum_steps > 1
+            else []
+        )
+        if options.loss_scale:
+            self.loss_scale = tf.Variable(
+                options.initial_loss_scale,
+                name="loss_scale",
+                trainable=False,
+                dtype=tf.float32,
+                aggregation=_ONLY_FIRST,
+            )
+            self.good_steps = tf.Variable(0, name="good_steps", **counter)
+
+
+def _accumulator_dtype(dtype) -> tf.DType:
+    # Summing K half-precision gradients in half precision would lose the small ones.
+    dtype = tf.as_dtype(dtype)  # Keras variables give their dtype as a string
+    return tf.float32 if dtype in (tf.float16, tf.bfloat16) else dtype
+
+
+class Engine:
+    """Trains a Keras model with a custom loop; see the module docstring for the design.
+
+    Args:
+        model: a built Keras model created under `strategy.scope()`; its output (logits or
+            probabilities, float32 preferred) goes to `loss_fn`.
+        optimizer: a Keras optimizer created under `strategy.scope()`, without
+            `gradient_accumulation_steps` and not a `LossScaleOptimizer` (use `options`).
+        strategy: the `tf.distribute.Strategy` that owns the model.
+        loss_fn: `loss_fn(labels, outputs) -> per-example loss`, e.g.
+            `lambda y, p: keras.losses.sparse_categorical_crossentropy(y, p, from_logits=True)`.
+        options: accumulation, steps per execution, XLA and loss scaling (default: none).
+        global_batch_size: examples per micro-step over all replicas; each replica's loss is
+            divided by it (as `tf.nn.compute_average_loss` does). Training batches must all have
+            this size (batch with `drop_remainder=True`).
+    """
+
+    def __init__(
+        self,
+        model: keras.Model,
+        optimizer: keras.optimizers.Optimizer,
+        strategy: tf.distribute.Strategy,
+        loss_fn: LossFn,
+        options: EngineOptions | None = None,
+        *,
+        global_batch_size: int,
+    ):
+        options = EngineOptions() if options is None else options
+        _check_arguments(model, optimizer, strategy, options, global_batch_size)
+        self.model, self.optimizer, self.strategy = model, optimizer, strategy
+        self.options = options
+        self._loss_fn = loss_fn
+        self._global_batch_size = global_batch_size
+        self._variables = list(model.trainable_variables)
+        with strategy.scope():
+            if not optimizer.built:
+                optimizer.build(self._variables)
+            self._state = _EngineState(self._variables, options)
+        if options.loss_scale is False and model.dtype_policy.name == "mixed_float16":
+            logging.warning("mixed_float16 without loss scaling: small gradients will underflow")
+        jit = tf.function(jit_compile=True) if options.xla else (lambda f: f)
+        self._forward_backward = jit(self._replica_forward_backward)
+        self._forward = jit(self._replica_forward)
+        self._train_fn = tf.function(self._train_execution)
+        self._eval_fn = tf.function(self._eval_step, reduce_retracing=True)
+
+    # ---------------------------------------------------------------- public API
+    def train(self, iterator: Iterable) -> dict[str, tf.Tensor]:
+        """Runs `steps_per_execution` micro-steps, each on the next `(x, y)` of `iterator`.
+
+        Args:
+            iterator: an iterator over a distributed dataset (`iter(strategy.
+                experimental_distribute_dataset(ds))`) of `(x, y)` micro-batches of
+                `global_batch_size` examples; it must not run out mid-call (`.repeat()` it).
+
+        Returns:
+            Scalar tensors (no host sync): `loss` and `accuracy` averaged over this call's
+            micro-batches, `updates` (= `optimizer.iterations`, applied updates so far),
+            `skipped` (updates skipped for non-finite gradients so far) and `loss_scale`.
+        """
+        return self._train_fn(iterator)
+
+    def evaluate(self, dataset: Iterable, steps: int | None = None) -> dict[str, float]:
+        """Mean loss (data loss + regularisation) and accuracy over a finite distributed dataset.
+
+        Args:
+            dataset: a distributed dataset of `(x, y)` batches; a last partial batch is fine.
+            steps: evaluate at most this many batches.
+
+        Returns:
+            `{"loss": float, "accuracy": float}`.
+        """
+        totals = tf.zeros([3])
+        for batch in itertools.islice(dataset, steps):
+            totals += self._eval_fn(batch)  # stays on device until the loop ends
+        loss_sum, correct, count = totals.numpy().tolist()
+        if count == 0:
+            raise ValueError("Engine.evaluate: the dataset yielded no examples")
+        return {"loss": loss_sum / count, "accuracy": correct / count}
+
+    @property
+    def checkpoint_items(self) -> dict[str, tf.Module]:
+        """Model, optimizer and engine state (accumulators, counters, loss scale), for
+        `tf.train.Checkpoint(**engine.checkpoint_items)`."""
+        return {"model": self.model, "optimizer": self.optimizer, "engine": self._state}
+
+    @property
+    def micro_steps(self) -> tf.Tensor:
+        """Micro-batches trained on so far (int64 scalar)."""
+        return self._state.micro_steps.read_value()
+
+    @property
+    def skipped_updates(self) -> tf.Tensor:
+        """Updates skipped because their gradients were not finite (loss scaling only)."""
+        return self._state.skipped_updates.read_value()
+
+    @property
+    def loss_scale(self) -> tf.Tensor:
+        """The current dynamic loss scale (1.0 without loss scaling)."""
+        return self._scale()
+
+    # ---------------------------------------------------------------- replica context
+    def _replica_forward(self, x, y, training: bool = False):
+        """Returns this replica's summed per-example loss, regularisation loss, correct count
+        and example count."""
+        outputs = tf.cast(self.model(x, training=training), tf.float32)
+        y = tf.reshape(y, [-1])
+        per_example = tf.cast(self._loss_fn(y, outputs), tf.float32)
+        if per_example.shape.rank != 1:
+            raise ValueError(
+                "loss_fn must return one loss per example (no reduction), got shape "
+                f"{per_example.shape}"
+            )
+        reg = tf.add_n([tf.cast(r, tf.float32) for r in self.model.losses] or [tf.constant(0.0)])
+        predicted = tf.argmax(outputs, axis=-1, output_type=tf.int64)
+        correct = tf.reduce_sum(tf.cast(tf.equal(predicted, tf.cast(y, tf.int64)), tf.float32))
+        return tf.reduce_sum(per_example), reg, correct, tf.cast(tf.size(y), tf.float32)
+
+    def _replica_forward_backward(self, x, y):
+        """Scaled gradients and metrics `[loss share, correct, count]`; what `xla=True` compiles."""
+        with tf.GradientTape() as tape:
+            loss_sum, reg, correct, count = self._replica_forward(x, y, training=True)
+            # As tf.nn.compute_average_loss / scale_regularization_loss: the SUM over replicas
+            # of these shares is the global mean loss plus the regularisation, once.
+            loss = loss_sum / self._global_batch_size + reg / self.strategy.num_replicas_in_sync
+            scaled_loss = loss * self._scale() if self.options.loss_scale else loss
+        grads = tape.gradient(scaled_loss, self._variables)
+        missing = [v.path for g, v in zip(grads, self._variables, strict=True) if g is None]
+        if missing:
+            raise ValueError(f"no gradient for {missing}: mark them trainable=False")
+        return [tf.convert_to_tensor(g) for g in grads], tf.stack([loss, correct, count])
+
+    def _replica_grads(self, x, y):
+        grads, metrics = self._forward_backward(x, y)
+        return self._unscale(grads), metrics
+
+    def _replica_accumulate(self, x, y):
+        grads, metrics = self._forward_backward(x, y)
+        for acc, g in zip(self._state.accumulators, grads, strict=True):
+            acc.assign_add(tf.cast(g, acc.dtype))
+        return metrics
+
+    def _replica_read_accumulators(self):
+        return self._unscale([acc.read_value() for acc in self._state.accumulators])
+
+    def _replica_zero_accumulators(self):
+        for acc in self._state.accumulators:
+            acc.assign(tf.zeros_like(acc))
+
+    def _unscale(self, grads):
+        """Undoes the loss scale and averages over the K micro-batches, in one multiply."""
+        factor = 1.0 / (self._scale() * self.options.grad_accum_steps)
+        return [g * tf.cast(factor, g.dtype) for g in grads]
+
+    def _scale(self) -> tf.Tensor:
+        return self._state.loss_scale.read_value() if self.options.loss_scale else tf.constant(1.0)
+
+    # ---------------------------------------------------------------- cross-replica context
+    def _train_execution(self, iterator):
+        totals = tf.zeros([3])  # loss, correct, count
+        for _ in tf.range(self.options.steps_per_execution):
+            x, y = next(iterator)
+            # One small reduce per micro-step, inside the loop (what works with 2 replicas).
+            totals += self.strategy.reduce(_SUM, self._micro_step(x, y), axis=None)
+        return {
+            "loss": totals[0] / self.options.steps_per_execution,
+            "accuracy": totals[1] / totals[2],
+            "updates": self.optimizer.iterations.value.read_value(),
+            "skipped": self._state.skipped_updates.read_value(),
+            "loss_scale": self._scale(),
+        }
+
+    def _micro_step(self, x, y):
+        micro_steps = self._state.micro_steps.assign_add(1)
+        if self.options.grad_accum_steps == 1:
+            grads, metrics = self.strategy.run(self._replica_grads, args=(x, y))
+            self._apply(grads)
+            return metrics
+        metrics = self.strategy.run(self._replica_accumulate, args=(x, y))
+        # Decided here, in cross-replica context, never by a cond in replica context
+        # around apply_gradients (keras#20582).
+        tf.cond(
+            micro_steps % self.options.grad_accum_steps == 0,
+            self._apply_accumulated,
+            lambda: None,
+        )
+        return metrics
+
+    def _apply_accumulated(self):
+        self._apply(self.strategy.run(self._replica_read_accumulators))
+        self.strategy.run(self._replica_zero_accumulators)
+
+    def _apply(self, per_replica_grads):
+        """All-reduces unscaled, averaged per-replica gradients and applies them if finite."""
+        pairs = [(g, v.value) for g, v in zip(per_replica_grads, self._variables, strict=True)]
+        # One batched all-reduce; the results stay on each replica's device.
+        grads = self.strategy.extended.batch_reduce_to(_SUM, pairs)
+        if not self.options.loss_scale:
+            self.optimizer.apply_gradients(zip(grads, self._variables, strict=True))
+            return
+        # After the all-reduce every replica holds the same sum: one check decides for all.
+        finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in grads])
+        tf.cond(finite, lambda: self._apply_finite(grads), self._skip_update)
+
+    def _apply_finite(self, grads):
+        self.optimizer.apply_gradients(zip(grads, self._variables, strict=True))
+        state, interval = self._state, self.options.loss_scale_growth_interval
+        good = state.good_steps + 1
+        grow = good >= interval
+        state.loss_scale.assign(tf.where(grow, state.loss_scale * 2.0, state.loss_scale))
+        state.good_steps.assign(tf.where(grow, tf.constant(0, tf.int64), good))
+
+    def _skip_update(self):
+        state = self._state
+        state.skipped_updates.assign_add(1)
+        state.loss_scale.assign(tf.maximum(state.loss_scale / 2.0, 1.0))
+        state.good_steps.assign(0)
+
+    def _eval_step(self, batch):
+        x, y = batch
+        metrics = self.strategy.run(self._replica_eval, args=(x, y))
+        return self.strategy.reduce(_SUM, metrics, axis=None)
+
+    def _replica_eval(self, x, y):
+        loss_sum, reg, correct, count = self._forward(x, y)
+        return tf.stack([loss_sum + reg * count, correct, count])
+
+
+def _check_arguments(model, optimizer, strategy, options, global_batch_size) -> None:
+    if not isinstance(options, EngineOptions):
+        raise TypeError(f"options must be an EngineOptions, got {type(options).__name__}")
+    if not isinstance(global_batch_size, int) or global_batch_size < 1:
+        raise ValueError(f"global_batch_size must be an int >= 1, got {global_batch_size!r}")
+    if not model.built or not model.trainable_variables:
+        raise ValueError("the model must be built (call it once) and have trainable variables")
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        raise ValueError(
+            "pass the inner optimizer and EngineOptions(loss_scale=True), not a LossScaleOptimizer"
+        )
+    if optimizer.gradient_accumulation_steps:
+        raise ValueError(
+            "optimizer(gradient_accumulation_steps=...) fails under tf.distribute (keras#20582); "
+            "use EngineOptions(grad_accum_steps=...) instead"
+        )
+    for what, variable in (
+        ("model", model.trainable_variables[0]),
+        ("optimizer", optimizer.iterations),
+    ):
+        if not strategy.extended.variable_created_in_scope(variable.value):
+            raise ValueError(f"create the {what} under strategy.scope() of the engine's strategy")
