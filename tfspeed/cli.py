@@ -35,4 +35,8 @@ def import_tensorflow_quietly() -> None:
 def main_entry(main: Callable[[], int | None]) -> None:
     """Runs a CLI ``main``: TF imported quietly, UsageError -> one line and exit status 2."""
     import_tensorflow_quietly()
+    import logging
+
+    # TF's Python logger (absl handler) narrates checkpoint threads at INFO; keep ours.
+    logging.getLogger("tensorflow").setLevel(logging.WARNING)
     sys.exit(exit_on_usage_error(main))

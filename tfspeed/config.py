@@ -84,11 +84,14 @@ class ModelConfig:
       name: a key of ``tfspeed.models.MODELS``.
       width: base width (units or filters); 0 takes the model's default.
       dropout: dropout rate before the classifier.
+      remat: recompute activations in the backward pass instead of keeping them
+        (less memory, more compute).
     """
 
     name: str = "cnn"
     width: int = 0
     dropout: float = 0.0
+    remat: bool = False
 
     def validate(self) -> ModelConfig:
         from tfspeed.models import MODELS
@@ -132,20 +135,30 @@ class TrainConfig:
     Attributes:
       epochs: passes over the train split (ignored when ``train_steps`` > 0).
       train_steps: total optimizer updates; 0 means ``epochs`` full passes.
-      learning_rate: base learning rate.
+      learning_rate: peak learning rate (before ``scale_lr_with_batch``).
       optimizer: ``adam``, ``adamw`` or ``sgd`` (SGD with Nesterov momentum 0.9).
-      steps_per_execution: training steps run inside one ``tf.function`` call.
+      lr_schedule: ``constant`` or ``cosine`` (decay to 0 over the run), counted in updates.
+      warmup_steps: linear warm-up updates from 0 to the peak rate.
+      scale_lr_with_batch: multiply the rate by effective batch / 256 (linear scaling rule).
+      steps_per_execution: micro-steps run inside one ``tf.function`` call; 0 = auto-tune.
       grad_accum_steps: micro-batches per optimizer update.
+      checkpoint_every: updates between checkpoints (0: only at the end).
+      keep_checkpoints: how many recent checkpoints to keep.
       eval_steps: cap on evaluation batches; 0 evaluates the whole split.
-      log_every: steps between throughput/loss logs.
+      log_every: micro-steps between loss/throughput logs (each log syncs with the device).
     """
 
     epochs: int = 1
     train_steps: int = 0
     learning_rate: float = 1e-3
     optimizer: str = "adam"
+    lr_schedule: str = "constant"
+    warmup_steps: int = 0
+    scale_lr_with_batch: bool = False
     steps_per_execution: int = 1
     grad_accum_steps: int = 1
+    checkpoint_every: int = 0
+    keep_checkpoints: int = 3
     eval_steps: int = 0
     log_every: int = 50
 
@@ -153,8 +166,12 @@ class TrainConfig:
         _positive("epochs", self.epochs)
         _non_negative("train_steps", self.train_steps)
         _non_negative("eval_steps", self.eval_steps)
-        _positive("steps_per_execution", self.steps_per_execution)
+        _non_negative("steps_per_execution", self.steps_per_execution)
         _positive("grad_accum_steps", self.grad_accum_steps)
+        _non_negative("warmup_steps", self.warmup_steps)
+        _non_negative("checkpoint_every", self.checkpoint_every)
+        _positive("keep_checkpoints", self.keep_checkpoints)
+        _choice("lr_schedule", self.lr_schedule, ("constant", "cosine"))
         _positive("log_every", self.log_every)
         if not self.learning_rate > 0:
             raise UsageError(f"--learning_rate={self.learning_rate} must be > 0")

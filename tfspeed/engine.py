@@ -177,20 +177,23 @@ class Engine:
         self._eval_fn = tf.function(self._eval_step, reduce_retracing=True)
 
     # ---------------------------------------------------------------- public API
-    def train(self, iterator: Iterable) -> dict[str, tf.Tensor]:
-        """Runs `steps_per_execution` micro-steps, each on the next `(x, y)` of `iterator`.
+    def train(self, iterator: Iterable, steps: int | None = None) -> dict[str, tf.Tensor]:
+        """Runs `steps` micro-steps (default `steps_per_execution`), each on the next `(x, y)`.
 
         Args:
             iterator: an iterator over a distributed dataset (`iter(strategy.
                 experimental_distribute_dataset(ds))`) of `(x, y)` micro-batches of
                 `global_batch_size` examples; it must not run out mid-call (`.repeat()` it).
+            steps: micro-steps in this call. Passed as a tensor, so changing it (a last short
+                execution, the steps_per_execution tuner) does not retrace.
 
         Returns:
             Scalar tensors (no host sync): `loss` and `accuracy` averaged over this call's
             micro-batches, `updates` (= `optimizer.iterations`, applied updates so far),
             `skipped` (updates skipped for non-finite gradients so far) and `loss_scale`.
         """
-        return self._train_fn(iterator)
+        steps = self.options.steps_per_execution if steps is None else steps
+        return self._train_fn(iterator, tf.constant(steps, tf.int32))
 
     def evaluate(self, dataset: Iterable, steps: int | None = None) -> dict[str, float]:
         """Mean loss (data loss + regularisation) and accuracy over a finite distributed dataset.
@@ -288,14 +291,14 @@ class Engine:
         return self._state.loss_scale.read_value() if self.options.loss_scale else tf.constant(1.0)
 
     # ---------------------------------------------------------------- cross-replica context
-    def _train_execution(self, iterator):
+    def _train_execution(self, iterator, steps):
         totals = tf.zeros([3])  # loss, correct, count
-        for _ in tf.range(self.options.steps_per_execution):
+        for _ in tf.range(steps):
             x, y = next(iterator)
             # One small reduce per micro-step, inside the loop (what works with 2 replicas).
             totals += self.strategy.reduce(_SUM, self._micro_step(x, y), axis=None)
         return {
-            "loss": totals[0] / self.options.steps_per_execution,
+            "loss": totals[0] / tf.cast(steps, tf.float32),
             "accuracy": totals[1] / totals[2],
             "updates": self.optimizer.iterations.value.read_value(),
             "skipped": self._state.skipped_updates.read_value(),

@@ -38,6 +38,19 @@ _EVAL_SPLIT = flags.DEFINE_string("eval_split", "validation", "Split to evaluate
 _MODEL = flags.DEFINE_string("model", "cnn", "mlp, cnn, resnet50 or mobilenetv2.")
 _WIDTH = flags.DEFINE_integer("width", 0, "Model base width; 0 takes the model's default.")
 _DROPOUT = flags.DEFINE_float("dropout", 0.0, "Dropout before the classifier.")
+_REMAT = flags.DEFINE_boolean(
+    "remat", False, "Recompute activations in the backward pass: less memory, more compute.")
+
+# Runtime.
+_STRATEGY = flags.DEFINE_enum("strategy", "auto", ["auto", "default", "one_device", "mirrored"],
+                              "tf.distribute strategy; auto: mirrored over >1 GPU, else default.")
+_CPU_REPLICAS = flags.DEFINE_integer(
+    "cpu_replicas", 0, "Split the CPU into N logical devices (exercise MirroredStrategy on CPU).")
+_PRECISION = flags.DEFINE_enum(
+    "precision", "auto", ["auto", "float32", "mixed_float16", "mixed_bfloat16"],
+    "Keras precision policy; auto picks from the hardware.")
+_XLA = flags.DEFINE_enum("xla", "auto", ["auto", "on", "off"],
+                         "XLA-compile the per-replica step; auto: on for GPU/TPU, off on CPU.")
 
 # Training.
 _MODEL_DIR = flags.DEFINE_string("model_dir", None, "Where logs, checkpoints, the model and report.json go.")
@@ -45,8 +58,18 @@ _EPOCHS = flags.DEFINE_integer("epochs", 1, "Passes over the train split.")
 _TRAIN_STEPS = flags.DEFINE_integer("train_steps", 0, "Total optimizer updates (overrides --epochs).")
 _LEARNING_RATE = flags.DEFINE_float("learning_rate", 1e-3, "Base learning rate.")
 _OPTIMIZER = flags.DEFINE_enum("optimizer", "adam", ["adam", "adamw", "sgd"], "Optimizer.")
-_STEPS_PER_EXECUTION = flags.DEFINE_integer(
-    "steps_per_execution", 1, "Steps per tf.function call (cuts Python overhead).")
+_LR_SCHEDULE = flags.DEFINE_enum("lr_schedule", "constant", ["constant", "cosine"],
+                                 "Learning-rate schedule, counted in optimizer updates.")
+_WARMUP_STEPS = flags.DEFINE_integer("warmup_steps", 0, "Linear warm-up updates.")
+_SCALE_LR = flags.DEFINE_boolean(
+    "scale_lr_with_batch", False, "Scale the rate by batch_size x grad_accum_steps / 256.")
+_STEPS_PER_EXECUTION = flags.DEFINE_string(
+    "steps_per_execution", "1", "Steps per tf.function call (cuts Python overhead), or 'auto'.")
+_GRAD_ACCUM = flags.DEFINE_integer(
+    "grad_accum_steps", 1, "Micro-batches of --batch_size per optimizer update.")
+_CHECKPOINT_EVERY = flags.DEFINE_integer("checkpoint_every", 0,
+                                         "Updates between checkpoints (0: only at the end).")
+_KEEP_CHECKPOINTS = flags.DEFINE_integer("keep_checkpoints", 3, "Recent checkpoints kept.")
 _EVAL_STEPS = flags.DEFINE_integer("eval_steps", 0, "Cap on evaluation batches; 0: the whole split.")
 _LOG_EVERY = flags.DEFINE_integer("log_every", 50, "Steps between throughput measurements.")
 
@@ -84,15 +107,37 @@ def to_config() -> Config:
         eval_split=_EVAL_SPLIT.value,
         prepare_source=_PREPARE_SOURCE.value,
     )
-    model = ModelConfig(name=_MODEL.value, width=_WIDTH.value, dropout=_DROPOUT.value)
+    model = ModelConfig(name=_MODEL.value, width=_WIDTH.value, dropout=_DROPOUT.value,
+                        remat=_REMAT.value)
+    runtime = RuntimeConfig(strategy=_STRATEGY.value, cpu_replicas=_CPU_REPLICAS.value,
+                            precision=_PRECISION.value, xla=_XLA.value)
     train = TrainConfig(
         epochs=_EPOCHS.value,
         train_steps=_TRAIN_STEPS.value,
         learning_rate=_LEARNING_RATE.value,
         optimizer=_OPTIMIZER.value,
-        steps_per_execution=_STEPS_PER_EXECUTION.value,
+        lr_schedule=_LR_SCHEDULE.value,
+        warmup_steps=_WARMUP_STEPS.value,
+        scale_lr_with_batch=_SCALE_LR.value,
+        steps_per_execution=_steps_per_execution(_STEPS_PER_EXECUTION.value),
+        grad_accum_steps=_GRAD_ACCUM.value,
+        checkpoint_every=_CHECKPOINT_EVERY.value,
+        keep_checkpoints=_KEEP_CHECKPOINTS.value,
         eval_steps=_EVAL_STEPS.value,
         log_every=_LOG_EVERY.value,
     )
-    return Config(data=data, model=model, runtime=RuntimeConfig(), train=train,
+    return Config(data=data, model=model, runtime=runtime, train=train,
                   model_dir=_MODEL_DIR.value).validate()
+
+
+def _steps_per_execution(value: str) -> int:
+    """'auto' -> 0 (tuned while training); otherwise a positive integer."""
+    if value == "auto":
+        return 0
+    try:
+        steps = int(value)
+    except ValueError:
+        raise UsageError(f"--steps_per_execution={value!r} must be a number or 'auto'") from None
+    if steps < 1:
+        raise UsageError(f"--steps_per_execution={steps} must be >= 1 (or 'auto')")
+    return steps

@@ -93,4 +93,6 @@ def build(config: ModelConfig, input_shape: Sequence[int], num_classes: int) -> 
     """
     if config.name not in MODELS:
         raise UsageError(f"--model={config.name!r} is not one of: {', '.join(MODELS)}")
-    return MODELS[config.name](config, input_shape, num_classes)
+    # Keras' RematScope wraps each layer created inside it in tf.recompute_grad (TF backend).
+    with keras.RematScope(mode="full" if config.remat else None):
+        return MODELS[config.name](config, input_shape, num_classes)

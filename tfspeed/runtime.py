@@ -184,12 +184,19 @@ class Runtime:
         return {
             "strategy": self.plan.strategy,
             "num_replicas": self.num_replicas,
-            "devices": list(getattr(self.strategy.extended, "worker_devices", ())),
+            "devices": _devices(self.strategy),
             "precision": self.plan.precision,
             "loss_scale": self.plan.loss_scale,
             "xla": self.plan.xla,
             "reasons": dict(self.plan.reasons),
         }
+
+
+def _devices(strategy) -> list[str]:
+    try:
+        return list(strategy.extended.worker_devices)
+    except RuntimeError:  # the default strategy does not list its one device
+        return []
 
 
 def setup(config: RuntimeConfig, hw: Hardware | None = None) -> Runtime:

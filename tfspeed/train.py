@@ -12,8 +12,8 @@ import sys
 from absl import app, logging
 
 from tfspeed import flags as tfspeed_flags
-from tfspeed.config import Config
 from tfspeed.cli import main_entry
+from tfspeed.config import Config
 from tfspeed.errors import UsageError
 
 
@@ -33,25 +33,31 @@ def run(config: Config) -> dict:
     from tfspeed.data import schema as schema_lib
 
     _make_dir(config.model_dir)
-    prepare_seconds = _prepare_data(config)
+    # Devices (logical CPUs, GPU memory growth) can only be configured before any op runs.
     rt = runtime.setup(config.runtime)
-    keras.utils.set_random_seed(config.data.seed)
+    prepare_seconds = _prepare_data(config)
     schema = schema_lib.read(config.data.data_dir)
     data = config.data
     num_train = schema.split(data.train_split).num_records
-    if data.batch_size > num_train:
-        raise UsageError(f"--batch_size={data.batch_size} is larger than the {num_train} "
-                         f"records of split {data.train_split!r}; lower --batch_size")
-    train_ds = pipeline.build_from_config(data, data.train_split, training=True, schema=schema)
-    eval_ds, eval_steps = None, None
+    _check_batch(data.batch_size, num_train, rt.num_replicas, data.train_split)
+    keras.utils.set_random_seed(data.seed)
+    strategy = rt.strategy
+
+    def dataset(split, training):
+        return strategy.distribute_datasets_from_function(
+            lambda ctx: pipeline.build_from_config(data, split, training=training,
+                                                   input_context=ctx, schema=schema))
+
+    train_data = dataset(data.train_split, True)
+    eval_data, eval_steps = None, None
     if data.eval_split:
-        eval_ds = pipeline.build_from_config(data, data.eval_split, training=False, schema=schema)
+        eval_data = dataset(data.eval_split, False)
         eval_steps = math.ceil(schema.split(data.eval_split).num_records / data.batch_size)
-    input_shape = train_ds.element_spec[0].shape[1:]
-    with rt.strategy.scope():
+    input_shape = pipeline.input_shape(schema, data)
+    with strategy.scope():
         model = models.build(config.model, input_shape, schema.num_classes)
     result = trainer.fit(
-        model, train_ds, eval_ds, config.train, rt,
+        model, train_data, eval_data, config.train, rt,
         steps_per_epoch=num_train // data.batch_size,
         eval_steps=eval_steps,
         global_batch_size=data.batch_size,
@@ -63,7 +69,12 @@ def run(config: Config) -> dict:
         "eval_loss": result.eval_metrics.get("loss"),
         **result.throughput,
         "optimizer_updates": result.optimizer_updates,
-        "train_metrics": {k: float(v[-1]) for k, v in result.history.items()},
+        "micro_steps": result.micro_steps,
+        "skipped_updates": result.skipped_updates,
+        "resumed_from_update": result.resumed_from_update,
+        "steps_per_execution": result.steps_per_execution,
+        "learning_rate": result.learning_rate,
+        "train_metrics": result.train_metrics,
         "seconds": {"prepare_data": prepare_seconds, **result.seconds},
         "runtime": rt.to_json(),
         "dataset": {"source": schema.source, "num_train": num_train,
@@ -75,6 +86,15 @@ def run(config: Config) -> dict:
         print(line)
     print(f"report: {path}")
     return out
+
+
+def _check_batch(batch_size: int, num_train: int, replicas: int, split: str) -> None:
+    if batch_size > num_train:
+        raise UsageError(f"--batch_size={batch_size} is larger than the {num_train} records of "
+                         f"split {split!r}; lower --batch_size")
+    if batch_size % replicas:
+        raise UsageError(f"--batch_size={batch_size} does not split evenly over {replicas} "
+                         f"replicas; use a multiple of {replicas}")
 
 
 def _prepare_data(config: Config) -> float:

@@ -1,53 +1,112 @@
-"""Trainer: compile and fit a model on datasets. Knows nothing of features or files."""
+"""Trainer: the optimisation loop around ``tfspeed.engine.Engine``. Knows nothing of features.
+
+Stock ``model.fit`` fails under MirroredStrategy with gradient accumulation, ``jit_compile``
+or ``steps_per_execution > 1`` (see NOTES.md), so training runs on the engine; this module
+adds what a run needs around it: the learning-rate schedule, checkpoints and resumption,
+the steps_per_execution tuner, progress, TensorBoard scalars and throughput.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import sys
 import time
 
 import keras
 import tensorflow as tf
+from absl import logging
 
-from tfspeed import callbacks as callbacks_lib
+from tfspeed import callbacks as meters
 from tfspeed.config import TrainConfig
+from tfspeed.engine import Engine, EngineOptions
+from tfspeed.errors import UsageError
 from tfspeed.runtime import Runtime
+
+# Linear scaling rule (Goyal et al. 2017): the learning rate is given for this batch size.
+REFERENCE_BATCH = 256
 
 
 @dataclasses.dataclass
 class FitResult:
-    """What training produced: Keras history, final evaluation, throughput and timings."""
+    """What training produced.
 
-    history: dict
-    eval_metrics: dict[str, float]
-    throughput: dict[str, float]
+    Attributes:
+      train_metrics: last logged training loss and accuracy.
+      eval_metrics: final evaluation loss and accuracy (empty without an eval split).
+      throughput: median examples/s and step time from the meter.
+      optimizer_updates: optimizer iterations at the end (updates, not micro-batches).
+      micro_steps: micro-batches trained on, this run and any resumed one.
+      skipped_updates: updates skipped for non-finite gradients (loss scaling).
+      resumed_from_update: the update restored from a checkpoint (0: fresh start).
+      steps_per_execution: the value used (tuned when ``auto``), with the tuner's table.
+      learning_rate: the peak learning rate after batch scaling.
+      seconds: wall time per phase.
+    """
+
+    train_metrics: dict
+    eval_metrics: dict
+    throughput: dict
     optimizer_updates: int
-    seconds: dict[str, float]
+    micro_steps: int
+    skipped_updates: int
+    resumed_from_update: int
+    steps_per_execution: dict
+    learning_rate: float
+    seconds: dict
 
 
-def make_optimizer(config: TrainConfig) -> keras.optimizers.Optimizer:
-    """The optimizer named by ``config.optimizer`` at ``config.learning_rate``."""
+def peak_learning_rate(config: TrainConfig, global_batch_size: int) -> float:
+    """``learning_rate``, scaled by effective batch / 256 with ``scale_lr_with_batch``."""
+    if not config.scale_lr_with_batch:
+        return config.learning_rate
+    return config.learning_rate * global_batch_size * config.grad_accum_steps / REFERENCE_BATCH
+
+
+class WarmupConstant(keras.optimizers.schedules.LearningRateSchedule):
+    """Linear warm-up from 0 to ``rate`` over ``warmup_steps`` updates, then constant."""
+
+    def __init__(self, rate: float, warmup_steps: int):
+        self.rate, self.warmup_steps = rate, warmup_steps
+
+    def __call__(self, step):
+        step = tf.cast(step, tf.float32)
+        return self.rate * tf.minimum(1.0, (step + 1.0) / float(max(self.warmup_steps, 1)))
+
+    def get_config(self):
+        return {"rate": self.rate, "warmup_steps": self.warmup_steps}
+
+
+def make_optimizer(config: TrainConfig, total_updates: int, global_batch_size: int):
+    """The optimizer, with its schedule counted in updates (never micro-batches)."""
+    rate = peak_learning_rate(config, global_batch_size)
+    warmup = min(config.warmup_steps, total_updates)
+    if config.lr_schedule == "cosine":
+        schedule = keras.optimizers.schedules.CosineDecay(
+            initial_learning_rate=0.0 if warmup else rate,
+            decay_steps=max(total_updates - warmup, 1),
+            warmup_target=rate if warmup else None,
+            warmup_steps=warmup,
+        )
+    elif warmup:
+        schedule = WarmupConstant(rate, warmup)
+    else:
+        schedule = rate
     if config.optimizer == "sgd":
-        return keras.optimizers.SGD(config.learning_rate, momentum=0.9, nesterov=True)
+        return keras.optimizers.SGD(schedule, momentum=0.9, nesterov=True)
     if config.optimizer == "adamw":
-        return keras.optimizers.AdamW(config.learning_rate)
-    return keras.optimizers.Adam(config.learning_rate)
+        return keras.optimizers.AdamW(schedule)
+    return keras.optimizers.Adam(schedule)
 
 
-def plan_steps(config: TrainConfig, steps_per_epoch: int) -> tuple[int, int]:
-    """Returns (epochs, steps per epoch) so that training makes the updates asked for."""
-    if config.train_steps:
-        per_epoch = min(steps_per_epoch, config.train_steps)
-        return math.ceil(config.train_steps / per_epoch), per_epoch
-    return config.epochs, steps_per_epoch
+def sparse_ce_from_logits(labels, logits):
+    return keras.losses.sparse_categorical_crossentropy(labels, logits, from_logits=True)
 
 
 def fit(
     model: keras.Model,
-    train_ds: tf.data.Dataset,
-    eval_ds: tf.data.Dataset | None,
+    train_data,
+    eval_data,
     config: TrainConfig,
     runtime: Runtime,
     *,
@@ -56,62 +115,183 @@ def fit(
     global_batch_size: int,
     model_dir: str,
 ) -> FitResult:
-    """Trains ``model`` (built in ``runtime.strategy.scope()``) and evaluates it.
+    """Trains ``model`` on ``train_data`` and evaluates it on ``eval_data``.
 
     Args:
-      model: an uncompiled Keras model that outputs logits.
-      train_ds: an endlessly repeating training dataset of (inputs, labels) batches.
-      eval_ds: a finite evaluation dataset, or None.
+      model: a built Keras model created in ``runtime.strategy.scope()``, outputting logits.
+      train_data: a distributed, endlessly repeating dataset of (inputs, labels) micro-batches.
+      eval_data: a distributed finite dataset, or None.
       config: optimisation settings.
-      runtime: strategy, precision and XLA choice.
-      steps_per_epoch: batches in one pass over the train split.
-      eval_steps: batches in ``eval_ds`` (known from the schema's counts).
-      global_batch_size: examples in one step (for throughput).
-      model_dir: logs and the backup for resumption go below it.
+      runtime: strategy, precision, loss scaling and XLA choice.
+      steps_per_epoch: micro-batches in one pass over the train split.
+      eval_steps: batches in ``eval_data``.
+      global_batch_size: examples in one micro-batch, over all replicas.
+      model_dir: checkpoints and TensorBoard logs go below it.
 
     Returns:
       A ``FitResult``.
     """
+    k = config.grad_accum_steps
+    total_updates = config.train_steps or config.epochs * (steps_per_epoch // k)
+    if total_updates < 1:
+        raise UsageError(f"one update needs --batch_size x --grad_accum_steps = "
+                         f"{global_batch_size * k} examples, more than the train split holds; "
+                         "lower them")
     with runtime.strategy.scope():
-        model.compile(
-            optimizer=make_optimizer(config),
-            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-            metrics=[keras.metrics.SparseCategoricalAccuracy(name="accuracy")],
-            steps_per_execution=config.steps_per_execution,
-            jit_compile=runtime.xla,
+        optimizer = make_optimizer(config, total_updates, global_batch_size)
+        engine = Engine(
+            model, optimizer, runtime.strategy, sparse_ce_from_logits,
+            EngineOptions(grad_accum_steps=k,
+                          steps_per_execution=config.steps_per_execution or 1,
+                          xla=runtime.xla, loss_scale=runtime.plan.loss_scale),
+            global_batch_size=global_batch_size,
         )
-    epochs, per_epoch = plan_steps(config, steps_per_epoch)
-    log_dir = os.path.join(model_dir, "logs")
-    meter = callbacks_lib.ThroughputMeter(
-        global_batch_size, config.log_every, os.path.join(log_dir, "train")
-    )
-    cbs = [
-        meter,
-        keras.callbacks.TensorBoard(log_dir=log_dir, update_freq="epoch", profile_batch=0),
-        # Keras' own resumption: an interrupted fit restarts from the last finished epoch.
-        keras.callbacks.BackupAndRestore(os.path.join(model_dir, "backup")),
-    ]
-    if config.train_steps:
-        cbs.append(callbacks_lib.StopAtStep(config.train_steps))
+    checkpoints = _Checkpoints(engine, model_dir, config)
+    resumed = checkpoints.restore()
+    loop = _Loop(engine, config, global_batch_size, model_dir, total_updates * k)
     start = time.perf_counter()
-    history = model.fit(
-        train_ds,
-        epochs=epochs,
-        steps_per_epoch=per_epoch,
-        callbacks=cbs,
-        verbose=1 if sys.stdout.isatty() else 2,
-    )
+    loop.run(iter(train_data), checkpoints)
     fit_seconds = time.perf_counter() - start
+    checkpoints.save(final=True)
     start = time.perf_counter()
-    eval_metrics = {}
-    if eval_ds is not None:
-        if config.eval_steps:
-            eval_steps = min(config.eval_steps, eval_steps or config.eval_steps)
-        eval_metrics = model.evaluate(eval_ds, steps=eval_steps, return_dict=True, verbose=0)
+    eval_metrics = engine.evaluate(eval_data, eval_steps) if eval_data is not None else {}
+    loop.log_eval(eval_metrics)
     return FitResult(
-        history=history.history,
-        eval_metrics={k: float(v) for k, v in eval_metrics.items()},
-        throughput=meter.summary(),
-        optimizer_updates=int(model.optimizer.iterations.numpy()),
+        train_metrics=loop.last_metrics,
+        eval_metrics=eval_metrics,
+        throughput=loop.meter.summary(),
+        optimizer_updates=int(optimizer.iterations.numpy()),
+        micro_steps=int(engine.micro_steps.numpy()),
+        skipped_updates=int(engine.skipped_updates.numpy()),
+        resumed_from_update=resumed,
+        steps_per_execution=loop.tuning,
+        learning_rate=peak_learning_rate(config, global_batch_size),
         seconds={"fit": fit_seconds, "evaluate": time.perf_counter() - start},
     )
+
+
+class _Checkpoints:
+    """Model, optimizer and engine state (accumulators, counters, loss scale) under
+    ``model_dir/checkpoints``, every ``checkpoint_every`` updates, keeping the last few."""
+
+    def __init__(self, engine: Engine, model_dir: str, config: TrainConfig):
+        self.engine, self.every = engine, config.checkpoint_every
+        self.checkpoint = tf.train.Checkpoint(**engine.checkpoint_items)
+        self.manager = tf.train.CheckpointManager(
+            self.checkpoint, os.path.join(model_dir, "checkpoints"),
+            max_to_keep=config.keep_checkpoints)
+        # Async: the step goes on while the checkpoint is written from a copy of the values.
+        self.options = tf.train.CheckpointOptions(enable_async=True)
+        self.last_saved = -1
+
+    def restore(self) -> int:
+        """Restores the newest checkpoint, if any; returns its update number (0 if none)."""
+        latest = self.manager.latest_checkpoint
+        if not latest:
+            return 0
+        self.checkpoint.restore(latest).assert_existing_objects_matched()
+        updates = int(self.engine.optimizer.iterations.numpy())
+        logging.info("resumed from %s at update %d", latest, updates)
+        self.last_saved = updates
+        return updates
+
+    def maybe_save(self, updates: int) -> None:
+        if self.every and updates // self.every > max(self.last_saved, 0) // self.every:
+            self._save(updates)
+
+    def save(self, final: bool = False) -> None:
+        updates = int(self.engine.optimizer.iterations.numpy())
+        if updates != self.last_saved:
+            self._save(updates)
+        if final:
+            self.checkpoint.sync()  # the async writer must finish before the process exits
+
+    def _save(self, updates: int) -> None:
+        self.manager.save(checkpoint_number=updates, options=self.options)
+        self.last_saved = updates
+
+
+class _Loop:
+    """Runs executions of micro-steps until ``total_micro`` and reports along the way."""
+
+    def __init__(self, engine: Engine, config: TrainConfig, global_batch_size: int,
+                 model_dir: str, total_micro: int):
+        self.engine, self.config, self.total_micro = engine, config, total_micro
+        self.k = config.grad_accum_steps
+        self.meter = meters.ThroughputMeter(global_batch_size, os.path.join(model_dir, "logs", "train"))
+        self.eval_writer = tf.summary.create_file_writer(os.path.join(model_dir, "logs", "eval"))
+        self.progbar = keras.utils.Progbar(total_micro // self.k, unit_name="update",
+                                           verbose=1 if sys.stdout.isatty() else 0)
+        self.last_metrics: dict = {}
+        self.tuning: dict = {"value": config.steps_per_execution}
+
+    def run(self, iterator, checkpoints) -> None:
+        done = int(self.engine.micro_steps.numpy())  # > 0 after a resume
+        spe = self.config.steps_per_execution
+        if not spe:
+            spe, done = self._tune(iterator, done)
+        logged = done
+        self.meter.restart()
+        while done < self.total_micro:
+            n = min(spe, self.total_micro - done)
+            out = self.engine.train(iterator, n)
+            done += n
+            if done - logged >= self.config.log_every or done == self.total_micro:
+                self._log(out, done, done - logged)
+                logged = done
+            checkpoints.maybe_save(done // self.k)
+
+    def _log(self, out, done: int, steps: int) -> None:
+        values = {name: float(v.numpy()) for name, v in out.items()}  # the one sync per log
+        figures = self.meter.tick(steps, done)
+        updates = int(values["updates"])
+        lr = self.engine.optimizer.learning_rate
+        self.meter.scalars({"loss": values["loss"], "accuracy": values["accuracy"],
+                            "learning_rate": float(lr.numpy() if hasattr(lr, "numpy") else lr),
+                            "loss_scale": values["loss_scale"]}, done)
+        self.last_metrics = {"loss": values["loss"], "accuracy": values["accuracy"]}
+        self.progbar.update(updates, [("loss", values["loss"]), ("accuracy", values["accuracy"]),
+                                      ("examples/s", figures["examples_per_sec"])])
+        if not self.progbar.verbose:
+            logging.info("update %d/%d (micro-step %d): loss=%.4f accuracy=%.4f %.0f examples/s",
+                         updates, self.total_micro // self.k, done, values["loss"],
+                         values["accuracy"], figures["examples_per_sec"])
+
+    def log_eval(self, metrics: dict) -> None:
+        if metrics:
+            with self.eval_writer.as_default(step=int(self.engine.micro_steps.numpy())):
+                for name, value in metrics.items():
+                    tf.summary.scalar(name, value)
+            self.eval_writer.flush()
+        if self.meter.writer:
+            self.meter.writer.flush()
+
+    def _tune(self, iterator, done: int) -> tuple[int, int]:
+        """steps_per_execution=auto: doubles N while steps/s improves by >= 5 %.
+
+        Keras 3 dropped tf-keras' ``steps_per_execution="auto"``. The trial steps are real
+        training steps (they count towards the total); the engine takes N as a tensor, so
+        trying values does not retrace.
+        """
+        budget = self.total_micro - done
+        self.engine.train(iterator, 1)["loss"].numpy()  # trace once, outside the timings
+        done += 1
+        trials, best, n = {}, 1, 1
+        while n <= 64 and 4 * n <= budget // 4:
+            steps = max(4 * n, 16)
+            start = time.perf_counter()
+            for _ in range(steps // n):
+                out = self.engine.train(iterator, n)
+            out["loss"].numpy()
+            trials[n] = steps / (time.perf_counter() - start)
+            done += steps
+            budget -= steps
+            if n > 1 and trials[n] < 1.05 * trials[best]:
+                break
+            best = n if trials[n] >= trials[best] else best
+            n *= 2
+        self.tuning = {"value": best, "auto": True,
+                       "steps_per_sec": {str(k): round(v, 1) for k, v in trials.items()}}
+        logging.info("steps_per_execution=auto chose %d (steps/s by N: %s)", best,
+                     self.tuning["steps_per_sec"])
+        return best, done

@@ -113,6 +113,14 @@ def build_from_config(
     return ds.with_options(_options(config, deterministic))
 
 
+def input_shape(schema: schema_lib.Schema, config: DataConfig) -> tuple[int, ...]:
+    """The shape of one model input (no batch dimension) that the pipeline produces."""
+    feature = schema.input_feature
+    if feature.is_image and config.image_size:
+        return (config.image_size, config.image_size, feature.shape[-1])
+    return tuple(feature.shape)
+
+
 def _check_input_fits(schema: schema_lib.Schema, config: DataConfig) -> None:
     feature = schema.input_feature
     if feature.is_image and None in feature.shape[:2] and not config.image_size:
