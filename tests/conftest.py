@@ -66,3 +66,13 @@ def tabular_dir(tmp_path_factory) -> str:
     out = root / "data"
     convert(f"npz:{root / 'data.npz'}", str(out), shards=2)
     return str(out)
+
+
+@pytest.fixture(autouse=True)
+def _float32_policy():
+    """Runs set a global Keras precision policy; every test starts from float32."""
+    import keras
+
+    keras.mixed_precision.set_global_policy("float32")
+    yield
+    keras.mixed_precision.set_global_policy("float32")

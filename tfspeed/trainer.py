@@ -207,7 +207,17 @@ class _Checkpoints:
             self.checkpoint.sync()  # the async writer must finish before the process exits
 
     def _save(self, updates: int) -> None:
-        self.manager.save(checkpoint_number=updates, options=self.options)
+        try:
+            self.manager.save(checkpoint_number=updates, options=self.options)
+        except ValueError as e:
+            if not self.options.experimental_enable_async_checkpoint:
+                raise
+            # TF 2.21 + Keras 3: the second async save fails while copying Keras variables to
+            # the CPU ("tf.function only supports singleton tf.Variables"). Nothing was
+            # written; save synchronously from now on.
+            logging.warning("async checkpointing failed (%s); saving synchronously", e)
+            self.options = tf.train.CheckpointOptions()
+            self.manager.save(checkpoint_number=updates, options=self.options)
         self.last_saved = updates
 
 

@@ -1,0 +1,133 @@
+"""The driver's speed features end to end: equivalences that must hold from the command line,
+resumption, schedules, remat, and the settings it must refuse."""
+
+import dataclasses
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tfspeed import models, trainer
+from tfspeed.config import Config, DataConfig, ModelConfig, RuntimeConfig, TrainConfig
+from tfspeed.errors import UsageError
+from tfspeed.train import run
+
+
+def _config(data_dir, model_dir, *, batch=32, accum=1, steps=6, strategy="default",
+            replicas=0, precision="float32", xla="off", spe=2, **train):
+    return Config(
+        data=DataConfig(data_dir=data_dir, batch_size=batch, shuffle=False, cache="memory"),
+        model=ModelConfig(name="mlp", width=32),
+        runtime=RuntimeConfig(strategy=strategy, cpu_replicas=replicas, precision=precision,
+                              xla=xla),
+        train=TrainConfig(train_steps=steps, grad_accum_steps=accum, steps_per_execution=spe,
+                          learning_rate=0.01, log_every=4, **train),
+        model_dir=str(model_dir),
+    ).validate()
+
+
+@pytest.fixture(scope="module")
+def big_batch_report(digits_dir, tmp_path_factory):
+    """The reference: 6 updates of batch 32, one device, float32, fixed order."""
+    return run(_config(digits_dir, tmp_path_factory.mktemp("big")))
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        dict(batch=8, accum=4, spe=3),  # accumulation spans executions
+        dict(batch=32, strategy="mirrored", replicas=2, spe=1),
+        dict(batch=8, accum=4, strategy="mirrored", replicas=2, xla="on", spe=5),
+    ],
+    ids=["accum4", "mirrored2", "mirrored2-accum4-xla"],
+)
+def test_equivalent_runs_give_the_same_eval_loss(big_batch_report, digits_dir, tmp_path, settings):
+    """batch 32 x 1 == batch 8 x 4 accumulated, on 1 or 2 replicas, with or without XLA."""
+    report = run(_config(digits_dir, tmp_path, **settings))
+    assert report["optimizer_updates"] == big_batch_report["optimizer_updates"] == 6
+    assert report["micro_steps"] == 6 * settings.get("accum", 1)
+    assert report["eval_loss"] == pytest.approx(big_batch_report["eval_loss"], abs=1e-4)
+    assert report["runtime"]["num_replicas"] == (2 if settings.get("replicas") else 1)
+
+
+def test_report_records_each_choice_with_its_reason(big_batch_report):
+    runtime = big_batch_report["runtime"]
+    assert runtime["precision"] == "float32" and runtime["xla"] is False
+    assert runtime["reasons"] == {"strategy": "--strategy=default",
+                                  "precision": "--precision=float32", "xla": "--xla=off"}
+
+
+def test_auto_settings_resolve_and_train(digits_dir, tmp_path):
+    config = _config(digits_dir, tmp_path, steps=40, strategy="auto", precision="auto",
+                     xla="auto", spe=0)
+    report = run(config)
+    assert report["optimizer_updates"] == 40
+    assert report["steps_per_execution"]["auto"] is True
+    assert report["steps_per_execution"]["value"] in (1, 2, 4, 8, 16, 32, 64)
+    assert report["runtime"]["reasons"]["precision"].startswith("auto")
+    assert report["train_metrics"]["loss"] < 2.3  # below chance level for 10 classes
+
+
+def test_resume_continues_from_the_last_checkpoint(digits_dir, tmp_path):
+    first = run(_config(digits_dir, tmp_path, steps=4, checkpoint_every=2))
+    assert first["resumed_from_update"] == 0 and first["optimizer_updates"] == 4
+    assert sorted(p.name for p in (tmp_path / "checkpoints").glob("ckpt-*.index")) == [
+        "ckpt-2.index", "ckpt-4.index"]
+    second = run(_config(digits_dir, tmp_path, steps=7, checkpoint_every=2))
+    assert second["resumed_from_update"] == 4
+    assert second["optimizer_updates"] == 7 and second["micro_steps"] == 7
+
+
+def test_cosine_schedule_with_warmup_counts_updates():
+    config = TrainConfig(learning_rate=0.1, lr_schedule="cosine", warmup_steps=10,
+                         grad_accum_steps=4, scale_lr_with_batch=True)
+    optimizer = trainer.make_optimizer(config, total_updates=110, global_batch_size=64)
+    schedule = optimizer._learning_rate
+    peak = 0.1 * 64 * 4 / 256
+    assert trainer.peak_learning_rate(config, 64) == pytest.approx(peak)
+    assert float(schedule(0)) == pytest.approx(0.0, abs=1e-7)
+    assert float(schedule(10)) == pytest.approx(peak, rel=1e-5)
+    assert float(schedule(60)) == pytest.approx(peak / 2, rel=1e-4)
+    assert float(schedule(110)) == pytest.approx(0.0, abs=1e-6)
+
+
+def test_constant_schedule_with_warmup():
+    config = TrainConfig(learning_rate=0.2, warmup_steps=4)
+    schedule = trainer.make_optimizer(config, total_updates=100, global_batch_size=8)._learning_rate
+    assert [round(float(schedule(s)), 6) for s in (0, 1, 3, 50)] == [0.05, 0.1, 0.2, 0.2]
+
+
+def test_remat_gives_the_same_gradients():
+    x = tf.random.stateless_normal([16, 8, 8, 1], seed=[1, 2])
+    y = tf.constant(np.arange(16) % 10)
+    grads = []
+    for remat in (False, True):
+        keras.utils.set_random_seed(0)
+        model = models.build(ModelConfig(name="cnn", width=8, remat=remat), (8, 8, 1), 10)
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(trainer.sparse_ce_from_logits(y, model(x, training=True)))
+        grads.append([g.numpy() for g in tape.gradient(loss, model.trainable_variables)])
+    for plain, recomputed in zip(*grads, strict=True):
+        np.testing.assert_allclose(plain, recomputed, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(precision="mixed_float16"), "--precision=mixed_float16 needs a GPU"),
+        (dict(batch=33, strategy="mirrored", replicas=2), "does not split evenly over 2"),
+        (dict(batch=1024, accum=2, steps=0), "more than the train split holds"),
+    ],
+)
+def test_impossible_settings_are_refused(digits_dir, tmp_path, change, message):
+    with pytest.raises(UsageError, match=message):
+        run(_config(digits_dir, tmp_path, **change))
+
+
+def test_negative_and_malformed_values_are_refused(digits_dir, tmp_path):
+    config = _config(digits_dir, tmp_path)
+    with pytest.raises(UsageError, match="--grad_accum_steps=0 must be > 0"):
+        dataclasses.replace(config, train=TrainConfig(grad_accum_steps=0)).validate()
+    with pytest.raises(UsageError, match="--lr_schedule='linear'"):
+        dataclasses.replace(config, train=TrainConfig(lr_schedule="linear")).validate()
