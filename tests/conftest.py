@@ -68,6 +68,20 @@ def tabular_dir(tmp_path_factory) -> str:
     return str(out)
 
 
+@pytest.fixture(scope="session")
+def raw_images_dir(tmp_path_factory) -> str:
+    """A converted .npz of 80 uint8 6x6 RGB images (stored raw) with 4 classes."""
+    from tfspeed.data.convert import convert
+
+    rng = np.random.default_rng(2)
+    root = tmp_path_factory.mktemp("raw")
+    np.savez(root / "data.npz", x=rng.integers(0, 256, size=(80, 6, 6, 3), dtype=np.uint8),
+             y=np.arange(80) % 4)
+    out = root / "data"
+    convert(f"npz:{root / 'data.npz'}", str(out), shards=2, validation_fraction=0.25)
+    return str(out)
+
+
 @pytest.fixture(autouse=True)
 def _float32_policy():
     """Runs set a global Keras precision policy; every test starts from float32."""

@@ -54,6 +54,15 @@ def test_decode_restores_what_was_stored(feature, stored, expected):
         assert out["label"] == 3
 
 
+def test_decode_raw_works_on_a_batch_of_records():
+    feature = Feature("image", "uint8", (12, 10, 3), "raw")
+    batch = {"inputs": tf.constant([IMAGE.tobytes(), IMAGE[::-1].tobytes()]),
+             "label": tf.constant([1, 2], tf.int64)}
+    eager, in_dataset = _eager_and_in_dataset(ops.make_decode(feature), batch)
+    for out in (eager, in_dataset):
+        np.testing.assert_array_equal(out["inputs"], np.stack([IMAGE, IMAGE[::-1]]))
+
+
 def test_decode_jpeg_is_close_to_the_source():
     smooth = np.repeat(np.linspace(0, 255, 16, dtype=np.uint8)[None, :, None], 16, 0)
     smooth = np.repeat(smooth, 3, axis=2)

@@ -57,12 +57,21 @@ def test_deterministic_runs_match_and_augment_changes_pixels(digits_dir):
     assert not np.array_equal(first, unaugmented)
 
 
-def test_parse_modes_give_the_same_elements(digits_dir, tabular_dir):
-    for data_dir in (digits_dir, tabular_dir):
+def test_parse_modes_give_the_same_elements(digits_dir, tabular_dir, raw_images_dir):
+    for data_dir in (digits_dir, tabular_dir, raw_images_dir):
         single = _all(tfspeed.data.build(data_dir, "validation", 16, parse="single"))
         batched = _all(tfspeed.data.build(data_dir, "validation", 16, parse="batched"))
         np.testing.assert_array_equal(single[0], batched[0])
         np.testing.assert_array_equal(single[1], batched[1])
+
+
+def test_raw_images_come_back_as_stored(raw_images_dir, tmp_path):
+    x, y = _all(tfspeed.data.build(raw_images_dir, "validation", 8))
+    assert x.shape == (20, 6, 6, 3) and x.dtype == np.float32
+    source = np.load(os.path.join(os.path.dirname(raw_images_dir), "data.npz"))
+    by_bytes = {img.tobytes(): label for img, label in zip(source["x"], source["y"])}
+    for image, label in zip(x, y):
+        assert by_bytes[np.round(image * 255).astype(np.uint8).tobytes()] == label
 
 
 def test_tabular_features_are_standardized(tabular_dir):

@@ -31,10 +31,10 @@ def write(model_dir: str, report: dict) -> str:
 
 def summary_lines(report: dict) -> list[str]:
     """A few lines a person reads at the end of a run."""
+    evaluated = report.get("eval_accuracy") is not None
     lines = [
-        f"eval_accuracy={report.get('eval_accuracy', float('nan')):.4f}  "
-        f"eval_loss={report.get('eval_loss', float('nan')):.4f}  "
-        f"updates={report['optimizer_updates']}",
+        (f"eval_accuracy={report['eval_accuracy']:.4f}  eval_loss={report['eval_loss']:.4f}  "
+         if evaluated else "no evaluation split  ") + f"updates={report['optimizer_updates']}",
         f"throughput: {report['examples_per_sec']:.0f} examples/s, "
         f"{report['step_time_ms']:.2f} ms/step (median over {report['steps_measured']} steps)",
     ]

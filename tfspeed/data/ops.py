@@ -45,7 +45,9 @@ def make_decode(feature: Feature, key: str = "inputs") -> Op:
         elif feature.encoding == "png":
             value = tf.io.decode_png(value, channels=channels)
         elif feature.encoding == "raw":
-            value = tf.reshape(tf.io.decode_raw(value, dtype), shape)
+            # Works on one record or a batch of them (vectorised parse): keep leading dims.
+            flat = tf.io.decode_raw(value, dtype)
+            value = tf.reshape(flat, tf.concat([tf.shape(flat)[:-1], shape], 0))
         else:
             value = tf.cast(value, dtype)
         if feature.is_image:
