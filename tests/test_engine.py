@@ -11,6 +11,7 @@ import os
 import pytest
 
 from tfspeed import engine as eng_lib
+from tfspeed.runtime import mirrored_strategy
 
 eng_lib.ensure_cpu_devices(2)  # before any op runs in this process
 
@@ -35,7 +36,7 @@ def _strategy(name: str) -> tf.distribute.Strategy:
     if name == "one_device":
         return tf.distribute.OneDeviceStrategy("/cpu:0")
     assert len(tf.config.list_logical_devices("CPU")) >= 2, "needs ensure_cpu_devices(2) first"
-    return tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    return mirrored_strategy(tuple(d.name for d in tf.config.list_logical_devices("CPU")[:2]))
 
 
 @functools.cache

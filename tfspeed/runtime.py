@@ -9,6 +9,7 @@ with the reason it was made. ``setup`` applies the choices.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from absl import logging
 
@@ -247,7 +248,7 @@ def _make_strategy(plan: Plan):
     if plan.strategy == "one_device":
         return tf.distribute.OneDeviceStrategy(gpus[0].name if gpus else "/cpu:0")
     if gpus:
-        return tf.distribute.MirroredStrategy()
+        return mirrored_strategy()
     cpus = [d.name for d in tf.config.list_logical_devices("CPU")]
     if plan.cpu_replicas and len(cpus) < plan.cpu_replicas:
         raise UsageError(f"--cpu_replicas={plan.cpu_replicas} could not be applied (TensorFlow "
@@ -256,4 +257,17 @@ def _make_strategy(plan: Plan):
         cpus = cpus[: plan.cpu_replicas]
     elif len(cpus) > 1:
         cpus = cpus[:1]  # logical devices made by someone else: --cpu_replicas decides
-    return tf.distribute.MirroredStrategy(cpus)
+    return mirrored_strategy(tuple(cpus))
+
+
+@functools.cache
+def mirrored_strategy(devices: tuple[str, ...] | None = None):
+    """One MirroredStrategy per device set and process.
+
+    A second MirroredStrategy over the same devices reuses the first one's collective
+    instance keys, and its all-reduces then fail with "Shape mismatch in the collective
+    instance 100"; reusing the strategy avoids that (and is what a real job does anyway).
+    """
+    import tensorflow as tf
+
+    return tf.distribute.MirroredStrategy(list(devices) if devices else None)

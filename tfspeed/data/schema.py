@@ -195,7 +195,10 @@ class Schema:
         import tensorflow as tf
 
         feature = {name: self.features[name].to_proto(v) for name, v in values.items()}
-        return tf.train.Example(features=tf.train.Features(feature=feature)).SerializeToString()
+        example = tf.train.Example(features=tf.train.Features(feature=feature))
+        # deterministic: map order otherwise follows the process's string hash seed, and the
+        # same conversion must give byte-identical shards in every process.
+        return example.SerializeToString(deterministic=True)
 
     def to_json(self) -> dict:
         return {

@@ -1,0 +1,198 @@
+"""The converter's command line: bad input is one ``error:`` line and exit status 2, and a
+conversion killed with SIGKILL resumes to the same bytes as an uninterrupted one."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tfspeed.data import writer
+from tfspeed.data.convert import convert, run
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "to_tfrecord.py"
+
+
+def _run(capsys, *args):
+    """Runs the CLI in this process; returns (exit status, stdout, stderr lines)."""
+    with pytest.raises(SystemExit) as exit_info:
+        run(["to_tfrecord.py", *args])
+    captured = capsys.readouterr()
+    return exit_info.value.code, captured.out, captured.err.splitlines()
+
+
+def _script(*args):
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
+    return subprocess.Popen(
+        [sys.executable, str(SCRIPT), *args],
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+
+
+def _snapshot(out):
+    names = [n for n in os.listdir(out) if n.endswith(".tfrecord") or n == "schema.json"]
+    return {n: (out / n).read_bytes() for n in sorted(names)}
+
+
+# ---------------------------------------------------------------- bad input
+
+
+def _make(tmp_path, case):
+    """Builds the input of a bad-input case; returns (flags, text the error must contain)."""
+    out = f"--output={tmp_path / 'out'}"
+    if case == "missing path":
+        return [f"--source=imagefolder:{tmp_path / 'nope'}", out], str(tmp_path / "nope")
+    if case == "unknown kind":
+        return ["--source=parquet:/data/x", out], "parquet"
+    if case == "no class folders":
+        (tmp_path / "empty").mkdir()
+        return [f"--source=imagefolder:{tmp_path / 'empty'}", out], str(tmp_path / "empty")
+    if case == "no files":
+        (tmp_path / "src" / "cat").mkdir(parents=True)
+        return [f"--source=imagefolder:{tmp_path / 'src'}", out], str(tmp_path / "src")
+    if case == "no images":
+        (tmp_path / "src" / "cat").mkdir(parents=True)
+        (tmp_path / "src" / "cat" / "a.txt").write_text("x")
+        return [f"--source=imagefolder:{tmp_path / 'src'}", out], str(tmp_path / "src")
+    if case == "all undecodable":
+        (tmp_path / "src" / "cat").mkdir(parents=True)
+        (tmp_path / "src" / "cat" / "a.jpg").write_text("not a jpeg")
+        return [f"--source=imagefolder:{tmp_path / 'src'}", out], "every item was skipped"
+    csv = tmp_path / "t.csv"
+    if case == "csv without label":
+        csv.write_text("a,b\n1,2\n")
+        return [f"--source=csv:{csv}", out], f"{csv} has no label column 'label'"
+    if case == "csv empty":
+        csv.write_text("")
+        return [f"--source=csv:{csv}", out], f"CSV {csv} is empty"
+    if case == "csv not numeric":
+        csv.write_text("a,b,label\n1,2,x\n3,four,y\n")
+        return [f"--source=csv:{csv}", out], f"CSV {csv}: column 'b', row 2 (line 3) holds 'four'"
+    npz = tmp_path / "d.npz"
+    if case == "npz without y":
+        np.savez(npz, x=np.zeros((3, 2)))
+        return [f"--source=npz:{npz}", out], f"{npz} has no array 'y'"
+    if case == "npz lengths differ":
+        np.savez(npz, x=np.zeros((3, 2)), y=np.zeros(4, np.int64))
+        return [f"--source=npz:{npz}", out], str(npz)
+    if case == "tfds not prepared":
+        return [
+            "--source=tfds:no_such_dataset_xyz",
+            f"--tfds_data_dir={tmp_path}",
+            out,
+        ], "not prepared"
+    if case == "another dataset":
+        (tmp_path / "out").mkdir()
+        (tmp_path / "out" / "train-00000-of-00001.tfrecord").write_bytes(b"theirs")
+        return ["--source=digits", out], f"{tmp_path / 'out'} holds another dataset"
+    options = {
+        "shards < 0": ("--shards=-1", "--shards=-1"),
+        "fraction 1": ("--validation_fraction=1", "--validation_fraction=1"),
+        "workers 0": ("--workers=0", "--workers=0"),
+        "max side < 0": ("--image_max_side=-5", "--image_max_side=-5"),
+        "bad format": ("--image_format=gif", "--image_format"),
+        "unknown flag": ("--shardz=3", "shardz"),
+        "wrong type": ("--shards=many", "--shards=many"),
+        "extra argument": ("stray", "'stray'"),
+    }
+    flag, expected = options[case]
+    return ["--source=digits", out, flag], expected
+
+
+BAD_CASES = [
+    "missing path",
+    "unknown kind",
+    "no class folders",
+    "no files",
+    "no images",
+    "all undecodable",
+    "csv without label",
+    "csv empty",
+    "csv not numeric",
+    "npz without y",
+    "npz lengths differ",
+    "tfds not prepared",
+    "another dataset",
+    "shards < 0",
+    "fraction 1",
+    "workers 0",
+    "max side < 0",
+    "bad format",
+    "unknown flag",
+    "wrong type",
+    "extra argument",
+]
+
+
+@pytest.mark.parametrize("case", BAD_CASES)
+def test_bad_input_is_one_error_line_and_status_2(tmp_path, capsys, case):
+    args, expected = _make(tmp_path, case)
+    status, _, err = _run(capsys, *args)
+    assert status == 2
+    errors = [line for line in err if not line.startswith("W")]  # skip warnings (undecodable)
+    assert len(errors) == 1 and errors[0].startswith("error: "), err
+    assert expected in errors[0]
+    assert "Traceback" not in "\n".join(err)
+
+
+def test_bad_input_from_a_real_process(tmp_path):
+    # Both at once: each process spends seconds importing TensorFlow.
+    missing = _script(f"--source=csv:{tmp_path / 'none.csv'}", f"--output={tmp_path / 'o'}")
+    unknown = _script("--source=digits", f"--output={tmp_path / 'o'}", "--no_such_flag")
+    for process, expected in [(missing, str(tmp_path / "none.csv")), (unknown, "no_such_flag")]:
+        out, err = process.communicate(timeout=120)
+        assert process.returncode == 2, err
+        assert err.splitlines() == [err.strip()] and err.startswith("error: "), err
+        assert expected in err and "Traceback" not in err and not out
+
+
+# ---------------------------------------------------------------- success, help
+
+
+def test_cli_converts_then_reports_already_converted(tmp_path, capsys):
+    args = ["--source=digits", f"--output={tmp_path}", "--shards=2", "--workers=1", "--noprogress"]
+    status, out, err = _run(capsys, *args)
+    assert status == 0 and not err
+    assert out.startswith("converted digits") and "1797 records" in out and "train 1617" in out
+    status, out, _ = _run(capsys, *args)
+    assert status == 0 and out.startswith("already converted")
+
+
+def test_help_lists_the_flags(capsys):
+    status, out, _ = _run(capsys, "--help")
+    assert status == 0 and "--source" in out and "--target_shard_mb" in out
+
+
+# ---------------------------------------------------------------- real interruption
+
+
+def test_sigkill_mid_run_then_rerun_equals_an_uninterrupted_run(tmp_path):
+    out, clean = tmp_path / "out", tmp_path / "clean"
+    args = dict(shards=500, validation_fraction=0.1)
+    process = _script(
+        "--source=digits", f"--output={out}", "--shards=500", "--workers=1", "--noprogress"
+    )
+    plan = out / writer.PLAN_FILE
+    deadline = time.monotonic() + 120
+    # Kill once the plan records a few finished shards: the run is certainly mid-way.
+    while time.monotonic() < deadline and process.poll() is None:
+        if plan.exists() and len(plan.read_text().splitlines()) > 3:
+            break
+        time.sleep(0.002)
+    process.send_signal(signal.SIGKILL)
+    process.communicate()
+    assert process.returncode == -signal.SIGKILL
+    assert not (out / "schema.json").exists()  # killed before the end
+
+    resumed = convert("digits", str(out), **args)
+    assert 3 <= resumed.summary["resumed_shards"] < 500
+    convert("digits", str(clean), **args)
+    assert _snapshot(out) == _snapshot(clean)
+    assert not [n for n in os.listdir(out) if ".tmp-" in n]
