@@ -40,3 +40,14 @@ def main_entry(main: Callable[[], int | None]) -> None:
     # TF's Python logger (absl handler) narrates checkpoint threads at INFO; keep ours.
     logging.getLogger("tensorflow").setLevel(logging.WARNING)
     sys.exit(exit_on_usage_error(main))
+
+
+def convert_main() -> None:
+    """``tfspeed-convert`` / ``scripts/to_tfrecord.py``: the converter's CLI, started quietly."""
+    # The converter does no TF math: without oneDNN, spawned workers also start without the
+    # oneDNN banner on stderr. The caller's setting wins.
+    os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
+    import_tensorflow_quietly()
+    from tfspeed.data.convert import run
+
+    run()

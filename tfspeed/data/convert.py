@@ -299,7 +299,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def run(argv: Sequence[str] | None = None) -> None:
-    """Console-script entry point: ``tfspeed-convert --source=... --output=...``."""
+    """CLI entry point (``tfspeed.cli.convert_main`` wraps it with a quiet TF import)."""
     sys.exit(main(argv))
 
 
