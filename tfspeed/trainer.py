@@ -148,6 +148,9 @@ def fit(
         )
     checkpoints = _Checkpoints(engine, model_dir, config)
     resumed = checkpoints.restore()
+    if resumed >= total_updates:
+        logging.warning("%s already holds a run trained to update %d of %d: evaluating only "
+                        "(use a new --model_dir to train again)", model_dir, resumed, total_updates)
     loop = _Loop(engine, config, global_batch_size, model_dir, total_updates * k)
     start = time.perf_counter()
     loop.run(iter(train_data), checkpoints)
