@@ -8,7 +8,14 @@ Measure first, then remove the bottleneck. The package is split by concern:
 
 import importlib.util
 
-if importlib.util.find_spec("tensorflow") is None:
+def _has_tensorflow() -> bool:
+    try:
+        return importlib.util.find_spec("tensorflow") is not None
+    except (ImportError, ValueError):  # a broken or blocked install
+        return False
+
+
+if not _has_tensorflow():
     raise ImportError(
         "tfspeed needs TensorFlow: install it with `pip install 'tfspeed[cpu]'` "
         "(or `'tfspeed[gpu]'` on a machine with NVIDIA GPUs)"

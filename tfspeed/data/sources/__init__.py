@@ -1,0 +1,83 @@
+"""The source kinds the converter reads, each opened into the same shape: a `Source`.
+
+A `Source` says what its records hold (features, class names), how many items each split
+has, and hands out chunks: picklable slices of a split that a writer process turns into
+records. Listing happens once, in the parent; reading and encoding happen in the chunks,
+so they run in parallel, one chunk per shard.
+
+Kinds: ``imagefolder:PATH``, ``csv:PATH``, ``npz:PATH``, ``tfds:NAME``, ``digits``.
+
+  base.py      Source, Chunk, Skip, SourceOptions; split and identity helpers
+  encoding.py  deterministic image encoding (or a Skip for a bad image)
+  arrays.py    a Source over in-memory arrays (what csv, npz and digits load into)
+  images.py    imagefolder, digits
+  tables.py    csv, npz
+  tfds.py      tfds
+"""
+
+from __future__ import annotations
+
+import os
+
+from tfspeed.data.sources.arrays import ArrayChunk
+from tfspeed.data.sources.base import Chunk, Skip, Source, SourceOptions
+from tfspeed.data.sources.encoding import JPEG_QUALITY, encode_array, encode_image
+from tfspeed.data.sources.images import (
+    IMAGE_EXTENSIONS,
+    ImageFilesChunk,
+    open_digits,
+    open_imagefolder,
+)
+from tfspeed.data.sources.tables import open_csv, open_npz
+from tfspeed.data.sources.tfds import TfdsChunk, open_tfds
+from tfspeed.errors import UsageError
+
+__all__ = [
+    "IMAGE_EXTENSIONS",
+    "JPEG_QUALITY",
+    "KINDS",
+    "ArrayChunk",
+    "Chunk",
+    "ImageFilesChunk",
+    "Skip",
+    "Source",
+    "SourceOptions",
+    "TfdsChunk",
+    "encode_array",
+    "encode_image",
+    "open_source",
+]
+
+KINDS = ("imagefolder:PATH", "csv:PATH", "npz:PATH", "tfds:NAME", "digits")
+_OPENERS = {
+    "imagefolder": open_imagefolder,
+    "csv": open_csv,
+    "npz": open_npz,
+    "tfds": open_tfds,
+    "digits": open_digits,
+}
+
+
+def open_source(spec: str, options: SourceOptions) -> Source:
+    """Opens (lists) a source; the items are read later, by the chunks.
+
+    Args:
+      spec: ``KIND:PATH`` (or ``tfds:NAME``, ``digits``), the converter's ``--source``.
+      options: the options that shape the records.
+
+    Returns:
+      The `Source`. Raises UsageError naming the problem and the fix if it is unusable.
+    """
+    kind, _, arg = spec.partition(":")
+    if kind not in _OPENERS:
+        raise UsageError(
+            f"unknown source kind {kind!r} in --source={spec}; use one of {', '.join(KINDS)}"
+        )
+    if kind in ("imagefolder", "csv", "npz"):
+        if not arg:
+            raise UsageError(f"--source={spec} names no path; write --source={kind}:PATH")
+        if not os.path.exists(arg):
+            raise UsageError(f"source path {arg} does not exist; fix the path in --source={spec}")
+    if kind == "tfds" and not arg:
+        raise UsageError(f"--source={spec} names no dataset; write --source=tfds:NAME")
+    return _OPENERS[kind](arg, options)

@@ -1,0 +1,110 @@
+"""What every source kind shares: the `Source` it opens into, its chunks, and split helpers."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, Protocol
+
+import numpy as np
+
+from tfspeed.data.schema import Feature
+
+LABEL = Feature("label", "int64", (), "int")  # every source's label feature
+_SPLIT_ORDER = ("train", "validation", "test")
+
+
+@dataclasses.dataclass(frozen=True)
+class SourceOptions:
+    """The converter options that shape the records (see `tfspeed.data.convert.convert`)."""
+
+    image_format: str = "jpeg"
+    image_max_side: int = 0
+    label_column: str = "label"
+    validation_fraction: float = 0.1
+    seed: int = 0
+    tfds_data_dir: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Skip:
+    """A source item that yields no record, and why (e.g. an undecodable image)."""
+
+    item: str
+    reason: str
+
+    def to_json(self) -> dict:
+        return {"item": self.item, "reason": self.reason}
+
+
+class Chunk(Protocol):
+    """A picklable slice of one split; ``records()`` yields record dicts or `Skip`s."""
+
+    def records(self) -> Iterator[dict | Skip]: ...
+
+
+@dataclasses.dataclass
+class Source:
+    """An opened source.
+
+    Attributes:
+      features: the record's features; the label is always ``label`` (int64, shape []).
+      inputs: name of the model-input feature.
+      class_names: label ``i`` is ``class_names[i]``.
+      splits: split name -> number of items, in output order.
+      split_bytes: split name -> estimated encoded bytes (for the automatic shard count).
+      identity: sha256 of the source's content identity (paths, sizes, mtimes).
+      options: the options this kind used (they shape the records).
+      make_chunk: ``(split, start, stop) -> Chunk`` over items ``[start, stop)`` of a split.
+      stats: per-feature mean/std of the train split for numeric features.
+    """
+
+    features: tuple[Feature, ...]
+    inputs: str
+    class_names: tuple[str, ...]
+    splits: dict[str, int]
+    split_bytes: dict[str, int]
+    identity: str
+    options: dict[str, Any]
+    make_chunk: Callable[[str, int, int], Chunk]
+    stats: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+def ordered_splits(names: Iterable[str]) -> list[str]:
+    """Split names in output order: train, validation, test, then the rest sorted."""
+    return sorted(names, key=lambda s: (_SPLIT_ORDER.index(s) if s in _SPLIT_ORDER else 3, s))
+
+
+def train_validation(n: int, fraction: float, seed: int) -> dict[str, np.ndarray]:
+    """Splits ``n`` items by a seeded permutation, which also shuffles each split.
+
+    Args:
+      n: the number of items.
+      fraction: the share held out as ``validation``, in [0, 1).
+      seed: seeds the permutation.
+
+    Returns:
+      ``{"train": indices}``, plus ``"validation"`` unless it would be empty.
+    """
+    order = np.random.default_rng(seed).permutation(n)
+    n_val = round(n * fraction)
+    if fraction > 0 and n >= 2:
+        n_val = min(max(n_val, 1), n - 1)  # a requested validation split is never empty
+    splits = {"train": order[n_val:]}
+    if n_val:
+        splits["validation"] = order[:n_val]
+    return splits
+
+
+def content_hash(obj: Any) -> str:
+    """The sha256 of ``obj``'s canonical JSON: a source's content identity."""
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
+
+
+def file_identity(path: str) -> str:
+    """A single file's identity: its absolute path, size and mtime."""
+    st = os.stat(path)
+    return content_hash([os.path.abspath(path), st.st_size, st.st_mtime_ns])
