@@ -17,6 +17,47 @@ from tfspeed.errors import UsageError
 Builder = Callable[[ModelConfig, Sequence[int], int], keras.Model]
 
 
+@keras.saving.register_keras_serializable(package="tfspeed")
+class RematBlock(keras.layers.Layer):
+    """Runs ``inner`` under ``tf.recompute_grad``: its activations are recomputed in the
+    backward pass instead of kept, so only the block's input and output stay in memory.
+
+    Keras' own ``RematScope`` fails inside ``tf.function`` on the TF backend ("The
+    custom_gradient decorator currently supports keywords arguments only when eager
+    execution is enabled"), because it passes ``training=`` through; here ``training`` is
+    closed over and the recomputed function takes one positional tensor.
+    """
+
+    def __init__(self, inner: keras.layers.Layer, **kwargs):
+        super().__init__(**kwargs)
+        self.inner = inner
+
+    def build(self, input_shape):
+        self.inner.build(input_shape)
+
+    def call(self, x, training=None):
+        import tensorflow as tf
+
+        return tf.recompute_grad(lambda t: self.inner(t, training=training))(x)
+
+    def compute_output_shape(self, input_shape):
+        return self.inner.compute_output_shape(input_shape)
+
+    def get_config(self):
+        return {**super().get_config(), "inner": keras.saving.serialize_keras_object(self.inner)}
+
+    @classmethod
+    def from_config(cls, config):
+        inner = keras.saving.deserialize_keras_object(config.pop("inner"))
+        return cls(inner, **config)
+
+
+def block(layers: Sequence[keras.layers.Layer], remat: bool, name: str) -> keras.layers.Layer:
+    """A model block: the unit ``--remat`` recomputes (so the unit of memory saved)."""
+    inner = keras.Sequential(list(layers), name=name)
+    return RematBlock(inner, name=f"{name}_remat") if remat else inner
+
+
 def _classifier(x, config: ModelConfig, num_classes: int):
     if config.dropout:
         x = keras.layers.Dropout(config.dropout)(x)
@@ -28,8 +69,8 @@ def build_mlp(config: ModelConfig, input_shape: Sequence[int], num_classes: int)
     width = config.width or 256
     inputs = keras.Input(tuple(input_shape), name="inputs")
     x = keras.layers.Flatten()(inputs)
-    x = keras.layers.Dense(width, activation="relu")(x)
-    x = keras.layers.Dense(width, activation="relu")(x)
+    hidden = [keras.layers.Dense(width, activation="relu") for _ in range(2)]
+    x = block(hidden, config.remat, "hidden")(x)
     return keras.Model(inputs, _classifier(x, config, num_classes), name="mlp")
 
 
@@ -40,8 +81,9 @@ def build_cnn(config: ModelConfig, input_shape: Sequence[int], num_classes: int)
     inputs = keras.Input(tuple(input_shape), name="inputs")
     x = inputs
     for i, filters in enumerate((width, width * 2)):
-        x = keras.layers.Conv2D(filters, 3, padding="same", activation="relu")(x)
-        x = keras.layers.Conv2D(filters, 3, padding="same", activation="relu")(x)
+        convs = [keras.layers.Conv2D(filters, 3, padding="same", activation="relu")
+                 for _ in range(2)]
+        x = block(convs, config.remat, f"conv_block{i}")(x)
         if i == 0 and min(input_shape[:2]) >= 8:
             x = keras.layers.MaxPooling2D()(x)
     x = keras.layers.GlobalAveragePooling2D()(x)
@@ -56,6 +98,9 @@ def _application(name: str, factory: Callable[..., keras.Model], min_side: int) 
                 f"--model={name} needs RGB images of at least {min_side}x{min_side}; the data "
                 f"gives {tuple(input_shape)}: pass --image_size={max(min_side, 224)} or another --model"
             )
+        if config.remat:
+            raise UsageError(f"--remat recomputes tfspeed's model blocks (mlp, cnn); {name} from "
+                             "keras.applications has no block boundaries here: drop --remat")
         inputs = keras.Input(tuple(input_shape), name="inputs")
         # weights=None: no download (and these machines have no hub access).
         backbone = factory(include_top=False, weights=None, input_tensor=inputs, pooling="avg")
@@ -93,6 +138,4 @@ def build(config: ModelConfig, input_shape: Sequence[int], num_classes: int) -> 
     """
     if config.name not in MODELS:
         raise UsageError(f"--model={config.name!r} is not one of: {', '.join(MODELS)}")
-    # Keras' RematScope wraps each layer created inside it in tf.recompute_grad (TF backend).
-    with keras.RematScope(mode="full" if config.remat else None):
-        return MODELS[config.name](config, input_shape, num_classes)
+    return MODELS[config.name](config, input_shape, num_classes)
