@@ -69,14 +69,22 @@ def test_auto_settings_resolve_and_train(digits_dir, tmp_path):
     assert report["train_metrics"]["loss"] < 2.3  # below chance level for 10 classes
 
 
-def test_resume_continues_from_the_last_checkpoint(digits_dir, tmp_path):
-    first = run(_config(digits_dir, tmp_path, steps=4, checkpoint_every=2))
+@pytest.mark.parametrize(
+    "settings",
+    [dict(), dict(batch=16, accum=2, spe=3, strategy="mirrored", replicas=2)],
+    ids=["default", "mirrored-accum2"],
+)
+def test_resume_continues_from_the_last_checkpoint(digits_dir, tmp_path, settings):
+    k = settings.get("accum", 1)
+    first = run(_config(digits_dir, tmp_path, steps=4, checkpoint_every=2, **settings))
     assert first["resumed_from_update"] == 0 and first["optimizer_updates"] == 4
-    assert sorted(p.name for p in (tmp_path / "checkpoints").glob("ckpt-*.index")) == [
-        "ckpt-2.index", "ckpt-4.index"]
-    second = run(_config(digits_dir, tmp_path, steps=7, checkpoint_every=2))
+    # Saved when an execution crosses a multiple of 2 updates (3 micro-steps per execution
+    # with K=2 cross it at update 3), and at the end.
+    expected = ["ckpt-2.index", "ckpt-4.index"] if k == 1 else ["ckpt-3.index", "ckpt-4.index"]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").glob("ckpt-*.index")) == expected
+    second = run(_config(digits_dir, tmp_path, steps=7, checkpoint_every=2, **settings))
     assert second["resumed_from_update"] == 4
-    assert second["optimizer_updates"] == 7 and second["micro_steps"] == 7
+    assert second["optimizer_updates"] == 7 and second["micro_steps"] == 7 * k
 
 
 def test_cosine_schedule_with_warmup_counts_updates():
