@@ -179,19 +179,14 @@ def _variables_module(engine: Engine) -> tf.Module:
     Async checkpointing of Keras 3 ``Variable`` objects fails from the second save on
     ("tf.function only supports singleton tf.Variables", raised in Keras'
     ``_copy_trackable_to_cpu``); the underlying TF variables save asynchronously fine.
+    Variables are keyed by position: layer names (``dense_12``) depend on what else the
+    process built, positions only on the architecture.
     """
     state = tf.Module()
-    state.model = _by_path(engine.model.variables)
-    state.optimizer = _by_path(engine.optimizer.variables)
+    state.model = [v.value for v in engine.model.variables]
+    state.optimizer = [v.value for v in engine.optimizer.variables]
     state.engine = engine.checkpoint_items["engine"]
     return state
-
-
-def _by_path(variables) -> dict:
-    by_path = {v.path.replace("/", "."): v.value for v in variables}
-    if len(by_path) != len(variables):
-        raise ValueError("variable paths are not unique; cannot checkpoint by path")
-    return by_path
 
 
 class _Checkpoints:
