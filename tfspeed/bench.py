@@ -15,15 +15,13 @@ import platform
 import resource
 import time
 
-import tensorflow as tf
-
 
 def peak_rss_mb() -> float:
     """This process's peak resident memory so far, in MiB (Linux reports KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def time_dataset(ds: tf.data.Dataset, batches: int, warmup: int, batch_size: int) -> dict:
+def time_dataset(ds, batches: int, warmup: int, batch_size: int) -> dict:
     """Iterates ``warmup`` batches untimed, then times ``batches`` batches.
 
     Returns:
@@ -51,6 +49,7 @@ def machine() -> dict:
 
 def versions() -> dict:
     import keras
+    import tensorflow as tf
 
     return {"python": platform.python_version(), "tensorflow": tf.__version__,
             "keras": keras.__version__}
@@ -60,3 +59,120 @@ def record(name: str, config: dict, figures: dict, ratios: dict) -> dict:
     """The one JSON record every benchmark prints."""
     return {"name": name, "config": config, "figures": figures, "ratios": ratios,
             "versions": versions(), "machine": machine()}
+
+
+# ---------------------------------------------------------------- comparing two records
+LOWER_IS_BETTER = ("_ms", "seconds", "rss", "_mb", "memory", "time")
+HIGHER_IS_BETTER = ("per_sec", "throughput", "steps_per", "images_per", "examples_per")
+
+
+def direction(name: str) -> int:
+    """+1 when a larger value is better, -1 when smaller is better, 0 when unknown."""
+    lowered = name.lower()
+    if any(key in lowered for key in HIGHER_IS_BETTER):
+        return 1
+    if any(key in lowered for key in LOWER_IS_BETTER):
+        return -1
+    return 0
+
+
+def flatten(figures: dict, prefix: str = "") -> dict[str, float]:
+    """{"a": {"b": 1.0}} -> {"a/b": 1.0}, numbers only."""
+    flat = {}
+    for key, value in figures.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(flatten(value, name + "/"))
+        elif isinstance(value, int | float) and not isinstance(value, bool):
+            flat[name] = float(value)
+    return flat
+
+
+def compare(old: dict, new: dict, threshold: float = 0.10) -> list[dict]:
+    """Figures of ``new`` worse than ``old`` by more than ``threshold`` (a fraction).
+
+    Only figures with a known direction (throughput up, time/memory down) are judged.
+    Returns one row per judged figure: name, old, new, change, regression.
+    """
+    old_flat, new_flat = flatten(old.get("figures", {})), flatten(new.get("figures", {}))
+    rows = []
+    for name in sorted(old_flat.keys() & new_flat.keys()):
+        sign = direction(name.rsplit("/", 1)[-1])
+        before, after = old_flat[name], new_flat[name]
+        if not sign or before == 0:
+            continue
+        change = (after - before) / abs(before)
+        rows.append({"name": name, "old": before, "new": after, "change": change,
+                     "regression": sign * change < -threshold})
+    return rows
+
+
+def _load(path: str) -> dict:
+    import json
+
+    from tfspeed.errors import UsageError
+
+    try:
+        with open(path) as f:
+            record = json.load(f)
+    except (OSError, ValueError) as e:
+        raise UsageError(f"cannot read benchmark record {path}: {e}") from None
+    if not isinstance(record, dict) or "figures" not in record:
+        raise UsageError(f"{path} is not a tfspeed benchmark record (no 'figures')")
+    return record
+
+
+def compare_main(argv: list[str]) -> int:
+    """``python -m tfspeed.bench compare OLD.json NEW.json [--threshold=0.1]``.
+
+    Prints every judged figure and exits 1 when any regressed beyond the threshold.
+    """
+    import argparse
+
+    from tfspeed.errors import UsageError
+
+    parser = argparse.ArgumentParser(prog="python -m tfspeed.bench compare")
+    parser.add_argument("old")
+    parser.add_argument("new")
+    parser.add_argument("--threshold", type=float, default=0.10,
+                        help="relative change counted as a regression (default 0.10)")
+    args = parser.parse_args(argv)
+    if not 0 < args.threshold < 10:
+        raise UsageError(f"--threshold={args.threshold} must be a fraction such as 0.1")
+    old, new = _load(args.old), _load(args.new)
+    if old.get("name") != new.get("name"):
+        raise UsageError(f"{args.old} is benchmark {old.get('name')!r} but {args.new} is "
+                         f"{new.get('name')!r}: compare records of the same benchmark")
+    if old.get("config") != new.get("config"):
+        print("note: the two records ran with different configs")
+    rows = compare(old, new, args.threshold)
+    for row in rows:
+        flag = "REGRESSION" if row["regression"] else "ok"
+        print(f"{flag:10s} {row['name']}: {row['old']:.4g} -> {row['new']:.4g} "
+              f"({row['change']:+.1%})")
+    regressions = sum(row["regression"] for row in rows)
+    print(f"{regressions} regression(s) beyond {args.threshold:.0%} in {len(rows)} figures")
+    return 1 if regressions else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    import sys
+
+    from tfspeed.errors import UsageError, exit_on_usage_error
+
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] != "compare":
+        print("usage: python -m tfspeed.bench compare OLD.json NEW.json [--threshold=0.1]",
+              file=sys.stderr)
+        return 2
+
+    def run() -> int:
+        if len(argv) < 3:
+            raise UsageError("compare needs two records: OLD.json NEW.json")
+        return compare_main(argv[1:])
+
+    return exit_on_usage_error(run)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

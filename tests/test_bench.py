@@ -1,0 +1,80 @@
+"""The benchmark record comparison: a planted regression is flagged, an equal pair passes."""
+
+import copy
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO
+from tfspeed import bench
+
+RECORD = {
+    "name": "input_pipeline",
+    "config": {"images": 2000},
+    "figures": {
+        "a_files": {"images_per_sec": 300.0, "seconds": 10.0, "peak_rss_mb": 900.0},
+        "c_tfspeed": {"images_per_sec": 600.0, "seconds": 5.0, "peak_rss_mb": 950.0,
+                      "batches": 60},
+    },
+    "ratios": {"c/a": 2.0},
+}
+
+
+def _write(tmp_path, name, record):
+    path = tmp_path / name
+    path.write_text(json.dumps(record))
+    return str(path)
+
+
+def _compare(tmp_path, old, new, *extra):
+    return subprocess.run(
+        [sys.executable, "-m", "tfspeed.bench", "compare", _write(tmp_path, "old.json", old),
+         _write(tmp_path, "new.json", new), *extra],
+        capture_output=True, text=True, cwd=REPO, timeout=60)
+
+
+def test_equal_records_pass(tmp_path):
+    proc = _compare(tmp_path, RECORD, RECORD)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "0 regression(s) beyond 10% in 6 figures" in proc.stdout
+
+
+def test_planted_regressions_are_flagged_in_both_directions(tmp_path):
+    slower = copy.deepcopy(RECORD)
+    slower["figures"]["c_tfspeed"]["images_per_sec"] = 480.0  # -20 % throughput
+    slower["figures"]["a_files"]["peak_rss_mb"] = 1100.0  # +22 % memory
+    slower["figures"]["a_files"]["seconds"] = 10.5  # +5 %: within the threshold
+    proc = _compare(tmp_path, RECORD, slower)
+    assert proc.returncode == 1
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("REGRESSION")]
+    assert sorted(line.split()[1] for line in lines) == [
+        "a_files/peak_rss_mb:", "c_tfspeed/images_per_sec:"]
+    assert "2 regression(s)" in proc.stdout
+
+
+def test_improvements_and_threshold():
+    faster = copy.deepcopy(RECORD)
+    faster["figures"]["c_tfspeed"]["images_per_sec"] = 900.0
+    faster["figures"]["c_tfspeed"]["seconds"] = 4.0
+    assert not any(row["regression"] for row in bench.compare(RECORD, faster))
+    slightly = copy.deepcopy(RECORD)
+    slightly["figures"]["c_tfspeed"]["images_per_sec"] = 560.0  # -6.7 %
+    assert not any(r["regression"] for r in bench.compare(RECORD, slightly, threshold=0.10))
+    assert any(r["regression"] for r in bench.compare(RECORD, slightly, threshold=0.05))
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({"name": "train_step", "figures": {}}, "compare records of the same benchmark"),
+    ("not json", "cannot read benchmark record"),
+])
+def test_bad_records_are_one_line_errors(tmp_path, bad, message):
+    new_path = tmp_path / "new.json"
+    new_path.write_text(bad if isinstance(bad, str) else json.dumps(bad))
+    proc = subprocess.run(
+        [sys.executable, "-m", "tfspeed.bench", "compare", _write(tmp_path, "old.json", RECORD),
+         str(new_path)], capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("error: ") and proc.stderr.count("\n") == 1
+    assert message in proc.stderr
