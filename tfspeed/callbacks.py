@@ -9,7 +9,8 @@ import tensorflow as tf
 
 
 class ThroughputMeter:
-    """Examples/s and step time per window of steps, logged to TensorBoard.
+    """Examples/s, step time and the share of time spent waiting for input, per window of
+    steps, logged to TensorBoard.
 
     The trainer calls ``tick`` only where it syncs with the device anyway (at log points),
     so measuring adds no host-device sync per step. The first window holds tracing and
@@ -22,7 +23,7 @@ class ThroughputMeter:
 
     def __init__(self, global_batch_size: int, log_dir: str | None = None):
         self.global_batch_size = global_batch_size
-        self.windows: list[tuple[int, float]] = []  # (steps, seconds)
+        self.windows: list[tuple[int, float, float]] = []  # (steps, seconds, input wait s)
         self.writer = tf.summary.create_file_writer(log_dir) if log_dir else None
         self._start = time.perf_counter()
 
@@ -30,13 +31,20 @@ class ThroughputMeter:
         """Starts a new window now (e.g. after a pause for evaluation or tuning)."""
         self._start = time.perf_counter()
 
-    def tick(self, steps: int, step: int) -> dict[str, float]:
-        """Closes a window of ``steps`` steps ending now; ``step`` is the global step."""
+    def tick(self, steps: int, step: int, input_wait_s: float = 0.0) -> dict[str, float]:
+        """Closes a window of ``steps`` steps ending now.
+
+        Args:
+          steps: steps in the window.
+          step: the global step at its end (the TensorBoard x axis).
+          input_wait_s: seconds of the window the step spent waiting for its next batch.
+        """
         now = time.perf_counter()
         seconds, self._start = now - self._start, now
-        self.windows.append((steps, seconds))
+        self.windows.append((steps, seconds, input_wait_s))
         figures = {"examples_per_sec": steps * self.global_batch_size / seconds,
-                   "step_time_ms": 1000 * seconds / steps}
+                   "step_time_ms": 1000 * seconds / steps,
+                   "input_wait_pct": 100 * min(input_wait_s / seconds, 1.0)}
         self.scalars(figures, step)
         return figures
 
@@ -50,10 +58,13 @@ class ThroughputMeter:
         """Median step time and examples/s over the windows (the first skipped if possible)."""
         windows = self.windows[1:] if len(self.windows) > 1 else self.windows
         if not windows:
-            return {"step_time_ms": 0.0, "examples_per_sec": 0.0, "steps_measured": 0}
-        step_s = statistics.median(seconds / steps for steps, seconds in windows)
+            return {"step_time_ms": 0.0, "examples_per_sec": 0.0, "input_wait_pct": 0.0,
+                    "steps_measured": 0}
+        step_s = statistics.median(seconds / steps for steps, seconds, _ in windows)
         return {
             "step_time_ms": 1000 * step_s,
             "examples_per_sec": self.global_batch_size / step_s,
-            "steps_measured": sum(steps for steps, _ in windows),
+            "input_wait_pct": 100 * statistics.median(
+                min(wait / seconds, 1.0) for _, seconds, wait in windows),
+            "steps_measured": sum(steps for steps, _, _ in windows),
         }

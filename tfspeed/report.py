@@ -36,7 +36,8 @@ def summary_lines(report: dict) -> list[str]:
         (f"eval_accuracy={report['eval_accuracy']:.4f}  eval_loss={report['eval_loss']:.4f}  "
          if evaluated else "no evaluation split  ") + f"updates={report['optimizer_updates']}",
         f"throughput: {report['examples_per_sec']:.0f} examples/s, "
-        f"{report['step_time_ms']:.2f} ms/step (median over {report['steps_measured']} steps)",
+        f"{report['step_time_ms']:.2f} ms/step, {report['input_wait_pct']:.0f}% waiting for "
+        f"input (median over {report['steps_measured']} steps)",
     ]
     runtime = report.get("runtime", {})
     if runtime:

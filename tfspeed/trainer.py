@@ -259,20 +259,21 @@ class _Loop:
         spe = self.config.steps_per_execution
         if not spe:
             spe, done = self._tune(iterator, done)
-        logged = done
+        logged, waited = done, 0.0
         self.meter.restart()
         while done < self.total_micro:
             n = min(spe, self.total_micro - done)
             out = self.engine.train(iterator, n)
+            waited = waited + out["input_wait_s"]  # a device-side sum: no sync here
             done += n
             if done - logged >= self.config.log_every or done == self.total_micro:
-                self._log(out, done, done - logged)
-                logged = done
+                self._log(out, done, done - logged, float(waited))
+                logged, waited = done, 0.0
             checkpoints.maybe_save(done // self.k)
 
-    def _log(self, out, done: int, steps: int) -> None:
+    def _log(self, out, done: int, steps: int, waited: float) -> None:
         values = {name: float(v.numpy()) for name, v in out.items()}  # the one sync per log
-        figures = self.meter.tick(steps, done)
+        figures = self.meter.tick(steps, done, waited)
         updates = int(values["updates"])
         lr = self.engine.optimizer.learning_rate
         self.meter.scalars({"loss": values["loss"], "accuracy": values["accuracy"],
@@ -280,11 +281,13 @@ class _Loop:
                             "loss_scale": values["loss_scale"]}, done)
         self.last_metrics = {"loss": values["loss"], "accuracy": values["accuracy"]}
         self.progbar.update(updates, [("loss", values["loss"]), ("accuracy", values["accuracy"]),
-                                      ("examples/s", figures["examples_per_sec"])])
+                                      ("examples/s", figures["examples_per_sec"]),
+                                      ("input wait %", figures["input_wait_pct"])])
         if not self.progbar.verbose:
-            logging.info("update %d/%d (micro-step %d): loss=%.4f accuracy=%.4f %.0f examples/s",
-                         updates, self.total_micro // self.k, done, values["loss"],
-                         values["accuracy"], figures["examples_per_sec"])
+            logging.info("update %d/%d (micro-step %d): loss=%.4f accuracy=%.4f %.0f examples/s, "
+                         "%.0f%% waiting for input", updates, self.total_micro // self.k, done,
+                         values["loss"], values["accuracy"], figures["examples_per_sec"],
+                         figures["input_wait_pct"])
 
     def log_eval(self, metrics: dict) -> None:
         if metrics:
