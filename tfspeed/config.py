@@ -146,6 +146,8 @@ class TrainConfig:
       keep_checkpoints: how many recent checkpoints to keep.
       eval_steps: cap on evaluation batches; 0 evaluates the whole split.
       log_every: micro-steps between loss/throughput logs (each log syncs with the device).
+      profile_steps: ``(start, end)`` micro-steps to capture with the TensorBoard profiler;
+        empty for none.
     """
 
     epochs: int = 1
@@ -161,6 +163,7 @@ class TrainConfig:
     keep_checkpoints: int = 3
     eval_steps: int = 0
     log_every: int = 50
+    profile_steps: tuple[int, ...] = ()
 
     def validate(self) -> TrainConfig:
         _positive("epochs", self.epochs)
@@ -172,6 +175,10 @@ class TrainConfig:
         _non_negative("checkpoint_every", self.checkpoint_every)
         _positive("keep_checkpoints", self.keep_checkpoints)
         _choice("lr_schedule", self.lr_schedule, ("constant", "cosine"))
+        if self.profile_steps and (len(self.profile_steps) != 2 or not
+                                   1 <= self.profile_steps[0] <= self.profile_steps[1]):
+            raise UsageError(f"--profile_steps={','.join(map(str, self.profile_steps))} must be "
+                             "START,END with 1 <= START <= END (e.g. 10,20)")
         _positive("log_every", self.log_every)
         if not self.learning_rate > 0:
             raise UsageError(f"--learning_rate={self.learning_rate} must be > 0")

@@ -174,6 +174,7 @@ class Engine:
         self._forward_backward = jit(self._replica_forward_backward)
         self._forward = jit(self._replica_forward)
         self._train_fn = tf.function(self._train_execution)
+        self._train_one_fn = tf.function(self._train_one)
         self._eval_fn = tf.function(self._eval_step, reduce_retracing=True)
 
     # ---------------------------------------------------------------- public API
@@ -195,6 +196,14 @@ class Engine:
         """
         steps = self.options.steps_per_execution if steps is None else steps
         return self._train_fn(iterator, tf.constant(steps, tf.int32))
+
+    def train_one(self, iterator: Iterable) -> dict[str, tf.Tensor]:
+        """One micro-step, without the in-graph loop; returns what `train` returns.
+
+        For the profiler: xprof finds no step markers for steps inside a `tf.while_loop`
+        ("No step time measured"), so profiled steps run one call each.
+        """
+        return self._train_one_fn(iterator)
 
     def evaluate(self, dataset: Iterable, steps: int | None = None) -> dict[str, float]:
         """Mean loss (data loss + regularisation) and accuracy over a finite distributed dataset.
@@ -296,15 +305,26 @@ class Engine:
         totals = tf.zeros([3])  # loss, correct, count
         waited = tf.constant(0.0, tf.float64)
         for _ in tf.range(steps):
-            # Host time spent inside get_next: ~0 when prefetch keeps up, the stall otherwise.
-            # The timestamps are ordered around it by control dependencies; no host sync.
-            before = tf.timestamp()
-            with tf.control_dependencies([before]):
-                x, y = next(iterator)
-            with tf.control_dependencies(tf.nest.flatten((x, y), expand_composites=True)):
-                waited += tf.timestamp() - before
-            # One small reduce per micro-step, inside the loop (what works with 2 replicas).
-            totals += self.strategy.reduce(_SUM, self._micro_step(x, y), axis=None)
+            metrics, wait = self._timed_micro_step(iterator)
+            totals, waited = totals + metrics, waited + wait
+        return self._outputs(totals, waited, steps)
+
+    def _train_one(self, iterator):
+        metrics, wait = self._timed_micro_step(iterator)
+        return self._outputs(metrics, wait, 1)
+
+    def _timed_micro_step(self, iterator):
+        # Host time spent inside get_next: ~0 when prefetch keeps up, the stall otherwise.
+        # The timestamps are ordered around it by control dependencies; no host sync.
+        before = tf.timestamp()
+        with tf.control_dependencies([before]):
+            x, y = next(iterator)
+        with tf.control_dependencies(tf.nest.flatten((x, y), expand_composites=True)):
+            wait = tf.timestamp() - before
+        # One small reduce per micro-step, inside the loop (what works with 2 replicas).
+        return self.strategy.reduce(_SUM, self._micro_step(x, y), axis=None), wait
+
+    def _outputs(self, totals, waited, steps):
         return {
             "loss": totals[0] / tf.cast(steps, tf.float32),
             "accuracy": totals[1] / totals[2],

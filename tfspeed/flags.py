@@ -72,6 +72,8 @@ _CHECKPOINT_EVERY = flags.DEFINE_integer("checkpoint_every", 0,
 _KEEP_CHECKPOINTS = flags.DEFINE_integer("keep_checkpoints", 3, "Recent checkpoints kept.")
 _EVAL_STEPS = flags.DEFINE_integer("eval_steps", 0, "Cap on evaluation batches; 0: the whole split.")
 _LOG_EVERY = flags.DEFINE_integer("log_every", 50, "Steps between throughput measurements.")
+_PROFILE_STEPS = flags.DEFINE_list(
+    "profile_steps", [], "START,END: capture these steps with the TensorBoard profiler.")
 
 
 def parse(argv: list[str]) -> list[str]:
@@ -125,9 +127,17 @@ def to_config() -> Config:
         keep_checkpoints=_KEEP_CHECKPOINTS.value,
         eval_steps=_EVAL_STEPS.value,
         log_every=_LOG_EVERY.value,
+        profile_steps=_int_list("profile_steps", _PROFILE_STEPS.value),
     )
     return Config(data=data, model=model, runtime=runtime, train=train,
                   model_dir=_MODEL_DIR.value).validate()
+
+
+def _int_list(flag: str, values: list[str]) -> tuple[int, ...]:
+    try:
+        return tuple(int(v) for v in values)
+    except ValueError:
+        raise UsageError(f"--{flag}={','.join(values)} must be integers, e.g. 10,20") from None
 
 
 def _steps_per_execution(value: str) -> int:

@@ -74,6 +74,8 @@ def run(config: Config) -> dict:
         "resumed_from_update": result.resumed_from_update,
         "steps_per_execution": result.steps_per_execution,
         "learning_rate": result.learning_rate,
+        "profile": result.profile,
+        "peak_host_rss_mb": _peak_rss_mb(),
         "train_metrics": result.train_metrics,
         "seconds": {"prepare_data": prepare_seconds, **result.seconds},
         "runtime": rt.to_json(),
@@ -84,8 +86,20 @@ def run(config: Config) -> dict:
     path = report.write(config.model_dir, out)
     for line in report.summary_lines(out):
         print(line)
+    if config.train.profile_steps:
+        from tfspeed import profiling
+
+        for line in profiling.summary_lines(result.profile):
+            print(line)
+        print(f"profile: tensorboard --logdir={config.model_dir}/logs (Profile tab)")
     print(f"report: {path}")
     return out
+
+
+def _peak_rss_mb() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
 def _check_batch(batch_size: int, num_train: int, replicas: int, split: str) -> None:

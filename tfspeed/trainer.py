@@ -18,6 +18,7 @@ import tensorflow as tf
 from absl import logging
 
 from tfspeed import callbacks as meters
+from tfspeed import profiling
 from tfspeed.config import TrainConfig
 from tfspeed.engine import Engine, EngineOptions
 from tfspeed.errors import UsageError
@@ -41,6 +42,7 @@ class FitResult:
       resumed_from_update: the update restored from a checkpoint (0: fresh start).
       steps_per_execution: the value used (tuned when ``auto``), with the tuner's table.
       learning_rate: the peak learning rate after batch scaling.
+      profile: the profiler summary (empty without ``profile_steps``).
       seconds: wall time per phase.
     """
 
@@ -53,6 +55,7 @@ class FitResult:
     resumed_from_update: int
     steps_per_execution: dict
     learning_rate: float
+    profile: dict
     seconds: dict
 
 
@@ -169,6 +172,7 @@ def fit(
         resumed_from_update=resumed,
         steps_per_execution=loop.tuning,
         learning_rate=peak_learning_rate(config, global_batch_size),
+        profile=loop.profile.summary if loop.profile else {},
         seconds={"fit": fit_seconds, "evaluate": time.perf_counter() - start},
     )
 
@@ -253,6 +257,9 @@ class _Loop:
                                            verbose=1 if sys.stdout.isatty() else 0)
         self.last_metrics: dict = {}
         self.tuning: dict = {"value": config.steps_per_execution}
+        self.profile = (profiling.ProfileWindow(os.path.join(model_dir, "logs"),
+                                                *config.profile_steps)
+                        if config.profile_steps else None)
 
     def run(self, iterator, checkpoints) -> None:
         done = int(self.engine.micro_steps.numpy())  # > 0 after a resume
@@ -263,13 +270,22 @@ class _Loop:
         self.meter.restart()
         while done < self.total_micro:
             n = min(spe, self.total_micro - done)
-            out = self.engine.train(iterator, n)
+            if self.profile and self.profile.covers(done):
+                n = 1  # one step per call inside the window: xprof needs a marker per step
+                with self.profile.trace(done):
+                    out = self.engine.train_one(iterator)
+            else:
+                out = self.engine.train(iterator, n)
             waited = waited + out["input_wait_s"]  # a device-side sum: no sync here
             done += n
+            if self.profile:
+                self.profile.after(done)
             if done - logged >= self.config.log_every or done == self.total_micro:
                 self._log(out, done, done - logged, float(waited))
                 logged, waited = done, 0.0
             checkpoints.maybe_save(done // self.k)
+        if self.profile:
+            self.profile.stop()  # the run ended inside the window
 
     def _log(self, out, done: int, steps: int, waited: float) -> None:
         values = {name: float(v.numpy()) for name, v in out.items()}  # the one sync per log
