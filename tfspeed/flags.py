@@ -75,6 +75,10 @@ _LOG_EVERY = flags.DEFINE_integer("log_every", 50, "Steps between throughput mea
 _PROFILE_STEPS = flags.DEFINE_list(
     "profile_steps", [], "START,END: capture these steps with the TensorBoard profiler.")
 
+# Diagnose (python -m tfspeed.diagnose).
+_DIAGNOSE_STEPS = flags.DEFINE_integer("diagnose_steps", 40, "Steps timed per measurement.")
+_DIAGNOSE_WARMUP = flags.DEFINE_integer("diagnose_warmup", 10, "Untimed steps before each.")
+
 
 def parse(argv: list[str]) -> list[str]:
     """Parses ``argv`` into the flags; a flag error becomes one line and exit status 2."""
@@ -151,3 +155,11 @@ def _steps_per_execution(value: str) -> int:
     if steps < 1:
         raise UsageError(f"--steps_per_execution={steps} must be >= 1 (or 'auto')")
     return steps
+
+
+def diagnose_options() -> tuple[int, int]:
+    """(steps, warmup) for ``tfspeed.diagnose``."""
+    if _DIAGNOSE_STEPS.value < 1 or _DIAGNOSE_WARMUP.value < 0:
+        raise UsageError(f"--diagnose_steps={_DIAGNOSE_STEPS.value} must be >= 1 and "
+                         f"--diagnose_warmup={_DIAGNOSE_WARMUP.value} >= 0")
+    return _DIAGNOSE_STEPS.value, _DIAGNOSE_WARMUP.value

@@ -5,6 +5,7 @@ Kept thin on purpose: parse flags into a Config, then ``run(config)``.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import sys
@@ -17,18 +18,31 @@ from tfspeed.config import Config
 from tfspeed.errors import UsageError
 
 
-def run(config: Config) -> dict:
-    """Runs one experiment end to end and returns the report (also written to model_dir).
+@dataclasses.dataclass
+class Job:
+    """Everything a run sets up before its loop: shared by training and ``tfspeed.diagnose``."""
 
-    Args:
-      config: a validated experiment config.
+    config: Config
+    runtime: object
+    schema: object
+    model: object
+    train_data: object  # distributed, repeating
+    eval_data: object | None  # distributed, finite
+    eval_steps: int | None
+    input_shape: tuple[int, ...]
+    num_train: int
+    prepare_seconds: float
 
-    Returns:
-      The report dict: evaluation metrics, throughput, updates, resolved settings.
-    """
+    @property
+    def steps_per_epoch(self) -> int:
+        return self.num_train // self.config.data.batch_size
+
+
+def prepare(config: Config) -> Job:
+    """Resolves the runtime, converts demo data if asked, builds the datasets and the model."""
     import keras
 
-    from tfspeed import models, report, runtime, trainer
+    from tfspeed import models, runtime
     from tfspeed.data import pipeline
     from tfspeed.data import schema as schema_lib
 
@@ -48,7 +62,6 @@ def run(config: Config) -> dict:
             lambda ctx: pipeline.build_from_config(data, split, training=training,
                                                    input_context=ctx, schema=schema))
 
-    train_data = dataset(data.train_split, True)
     eval_data, eval_steps = None, None
     if data.eval_split:
         eval_data = dataset(data.eval_split, False)
@@ -56,10 +69,30 @@ def run(config: Config) -> dict:
     input_shape = pipeline.input_shape(schema, data)
     with strategy.scope():
         model = models.build(config.model, input_shape, schema.num_classes)
+    return Job(config=config, runtime=rt, schema=schema, model=model,
+               train_data=dataset(data.train_split, True), eval_data=eval_data,
+               eval_steps=eval_steps, input_shape=input_shape, num_train=num_train,
+               prepare_seconds=prepare_seconds)
+
+
+def run(config: Config) -> dict:
+    """Runs one experiment end to end and returns the report (also written to model_dir).
+
+    Args:
+      config: a validated experiment config.
+
+    Returns:
+      The report dict: evaluation metrics, throughput, updates, resolved settings.
+    """
+    from tfspeed import report, trainer
+
+    job = prepare(config)
+    model, rt, schema, data = job.model, job.runtime, job.schema, config.data
+    num_train, input_shape, prepare_seconds = job.num_train, job.input_shape, job.prepare_seconds
     result = trainer.fit(
-        model, train_data, eval_data, config.train, rt,
-        steps_per_epoch=num_train // data.batch_size,
-        eval_steps=eval_steps,
+        model, job.train_data, job.eval_data, config.train, rt,
+        steps_per_epoch=job.steps_per_epoch,
+        eval_steps=job.eval_steps,
         global_batch_size=data.batch_size,
         model_dir=config.model_dir,
     )

@@ -106,6 +106,20 @@ def sparse_ce_from_logits(labels, logits):
     return keras.losses.sparse_categorical_crossentropy(labels, logits, from_logits=True)
 
 
+def make_engine(model: keras.Model, config: TrainConfig, runtime: Runtime,
+                global_batch_size: int, total_updates: int) -> Engine:
+    """The engine that runs the training step: optimizer, accumulation, XLA, loss scaling."""
+    with runtime.strategy.scope():
+        optimizer = make_optimizer(config, total_updates, global_batch_size)
+        return Engine(
+            model, optimizer, runtime.strategy, sparse_ce_from_logits,
+            EngineOptions(grad_accum_steps=config.grad_accum_steps,
+                          steps_per_execution=config.steps_per_execution or 1,
+                          xla=runtime.xla, loss_scale=runtime.plan.loss_scale),
+            global_batch_size=global_batch_size,
+        )
+
+
 def fit(
     model: keras.Model,
     train_data,
@@ -140,15 +154,8 @@ def fit(
         raise UsageError(f"one update needs --batch_size x --grad_accum_steps = "
                          f"{global_batch_size * k} examples, more than the train split holds; "
                          "lower them")
-    with runtime.strategy.scope():
-        optimizer = make_optimizer(config, total_updates, global_batch_size)
-        engine = Engine(
-            model, optimizer, runtime.strategy, sparse_ce_from_logits,
-            EngineOptions(grad_accum_steps=k,
-                          steps_per_execution=config.steps_per_execution or 1,
-                          xla=runtime.xla, loss_scale=runtime.plan.loss_scale),
-            global_batch_size=global_batch_size,
-        )
+    engine = make_engine(model, config, runtime, global_batch_size, total_updates)
+    optimizer = engine.optimizer
     checkpoints = _Checkpoints(engine, model_dir, config)
     resumed = checkpoints.restore()
     if resumed >= total_updates:

@@ -23,6 +23,8 @@ from tfspeed.data import schema as schema_lib
 from tfspeed.errors import UsageError
 
 AUTOTUNE = tf.data.AUTOTUNE
+# Stages a pipeline can be cut after (``until=``), in pipeline order; "batch" is the whole.
+STAGES = ("read", "decode", "cache", "augment", "batch")
 _PARSE_BATCH = 256  # records per vectorised parse_example call
 CACHE_FORMAT = 1  # bump when what a cache holds changes
 
@@ -60,8 +62,15 @@ def build_from_config(
     training: bool,
     input_context: tf.distribute.InputContext | None = None,
     schema: schema_lib.Schema | None = None,
+    until: str | None = None,
 ) -> tf.data.Dataset:
-    """Like ``build`` but from a ``DataConfig`` (and optionally an already-read schema)."""
+    """Like ``build`` but from a ``DataConfig`` (and optionally an already-read schema).
+
+    ``until`` (one of ``STAGES``) returns the pipeline cut after that stage, so
+    ``tfspeed.diagnose`` can time each stage's share.
+    """
+    if until is not None and until not in STAGES:
+        raise ValueError(f"until={until!r} is not one of {STAGES}")
     schema = schema or schema_lib.read(config.data_dir)
     files = schema.shard_paths(config.data_dir, split)
     num_records = schema.split(split).num_records
@@ -96,15 +105,23 @@ def build_from_config(
     )
     if num_pipelines > 1 and not shard_by_file:
         ds = ds.shard(num_pipelines, pipeline_id)  # fewer files than pipelines: shard records
+    if until == "read":
+        return ds
     ds = _parse_and_decode(ds, schema, config, deterministic)
+    if until == "decode":
+        return ds
     # Cache after the deterministic decode: decoding is paid once, augmentation stays random.
     ds = _cache(ds, schema, config, split, num_pipelines, pipeline_id)
+    if until == "cache":
+        return ds
     if shuffle:
         buffer = min(config.shuffle_buffer, num_records)
         ds = ds.shuffle(buffer, seed=config.seed, reshuffle_each_iteration=True)
     if training:
         ds = ds.repeat()  # before batch: batches span epoch ends, no short batch mid-run
         ds = _augment(ds, config, deterministic)
+    if until == "augment":
+        return ds
     # drop_remainder for training: static batch shapes (XLA, replicas) and equal-sized steps.
     ds = ds.batch(batch_size, drop_remainder=training, num_parallel_calls=AUTOTUNE,
                   deterministic=deterministic)

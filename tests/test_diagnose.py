@@ -1,0 +1,91 @@
+"""The bottleneck verdict on real pipelines made slow or fast on purpose."""
+
+import json
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from tfspeed import advice, diagnose
+from tfspeed.config import Config, DataConfig, ModelConfig, RuntimeConfig, TrainConfig
+
+QUICK = diagnose.Options(steps=12, warmup=3, profile_steps=6)
+
+
+@pytest.fixture(scope="session")
+def big_photos_dir(tmp_path_factory) -> str:
+    """48 large JPEGs (900x700) converted without --image_max_side: decoding is the cost."""
+    from tfspeed.data.convert import convert
+
+    root = tmp_path_factory.mktemp("big") / "src"
+    rng = np.random.default_rng(0)
+    for i in range(48):
+        folder = root / f"c{i % 2}"
+        folder.mkdir(parents=True, exist_ok=True)
+        coarse = rng.integers(0, 256, size=(8, 8, 3), dtype=np.uint8)
+        photo = Image.fromarray(coarse).resize((900, 700), Image.BICUBIC)
+        photo.save(folder / f"{i}.jpg", "JPEG", quality=92)
+    out = root.parent / "data"
+    convert(f"imagefolder:{root}", str(out), shards=2, validation_fraction=0.0)
+    return str(out)
+
+
+def _config(data_dir, model_dir, data=None, model=None):
+    return Config(
+        data=DataConfig(data_dir=data_dir, batch_size=16, eval_split="", **(data or {})),
+        model=ModelConfig(**(model or {"name": "mlp", "width": 8})),
+        runtime=RuntimeConfig(precision="float32"),
+        train=TrainConfig(steps_per_execution=1),
+        model_dir=str(model_dir),
+    ).validate()
+
+
+def test_big_jpegs_and_a_tiny_model_are_input_bound_on_decode(big_photos_dir, tmp_path):
+    config = _config(big_photos_dir, tmp_path, data={"image_size": 16, "cache": "none"})
+    result = diagnose.run(config, QUICK)
+    assert result["verdict"] == "input-bound", result
+    eps = result["examples_per_sec"]
+    assert eps["input_alone"] < eps["compute_alone"]
+    stages = result["stages_ms_per_batch"]
+    assert max(stages, key=stages.get) == "decode"
+    advices = [s["advice"] for s in result["next_steps"]]
+    # Ranked by expected gain: caching removes read+decode from the second epoch on, the
+    # smaller JPEGs make decoding itself cheaper, more shards help the small read share.
+    assert "--cache=memory" in advices[0]
+    assert "parse+decode takes" in advices[1] and "--image_max_side=32" in advices[1]
+    assert any("--shards=16" in a for a in advices[2:])
+    assert result["profile"]["steps"] > 0
+    saved = json.loads((tmp_path / "diagnose" / "diagnose.json").read_text())
+    assert saved["verdict"] == "input-bound"
+    png = (tmp_path / "diagnose" / "diagnose.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+
+
+def test_cached_small_input_and_a_heavier_model_are_compute_bound(digits_dir, tmp_path):
+    config = _config(digits_dir, tmp_path, data={"cache": "memory"},
+                     model={"name": "cnn", "width": 48})
+    result = diagnose.run(config, QUICK)
+    assert result["verdict"] == "compute-bound", result
+    assert result["input_wait_pct"] < 20
+    eps = result["examples_per_sec"]
+    assert eps["input_alone"] > eps["compute_alone"]
+    assert any("--steps_per_execution=auto" in s["advice"] or "--batch_size" in s["advice"]
+               for s in result["next_steps"])
+
+
+def test_memory_verdict_and_its_advice(digits_dir):
+    """The decision itself, on figures where memory is nearly full."""
+    from tfspeed.data import schema as schema_lib
+    from tfspeed.runtime import Hardware, resolve
+
+    config = _config(digits_dir, "/tmp/unused")
+    figures = {
+        "examples_per_sec": {"input_alone": 5000.0, "compute_alone": 1000.0, "together": 990.0},
+        "input_wait_pct": 1.0, "profile": {}, "stages_ms_per_batch": {"read": 1.0},
+        "memory": {"peak_host_rss_mb": 23_000.0, "host_total_mb": 24_000.0},
+    }
+    plan = resolve(config.runtime, Hardware())
+    result = advice.decide(config, schema_lib.read(digits_dir), plan, figures)
+    assert result["verdict"] == "memory-bound"
+    assert "--grad_accum_steps=2" in result["next_steps"][0]["advice"]
+    assert any("--remat" in s["advice"] for s in result["next_steps"])

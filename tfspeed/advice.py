@@ -1,0 +1,180 @@
+"""From measurements to a verdict and ranked next steps. Pure functions: no measuring here.
+
+Figures come from ``tfspeed.diagnose.measure``: examples/s of the input pipeline alone (a),
+the model alone on a held batch (b) and both together (c), the share of step time spent
+waiting for input (the engine's own timing and xprof's), milliseconds per batch added by each
+pipeline stage, and peak memory.
+"""
+
+from __future__ import annotations
+
+import math
+
+from tfspeed.profiling import INPUT_BOUND_HIGH_PCT, INPUT_BOUND_MODERATE_PCT
+
+INPUT_BOUND_RATIO = 0.9  # a pipeline slower than this share of (b) cannot feed the model
+MEMORY_BOUND_SHARE = 0.85  # peak memory above this share of the machine's is the limit
+SHARDS_FOR_INTERLEAVE = 16
+
+
+def decide(config, schema, plan, figures: dict) -> dict:
+    """Returns ``{"verdict", "severity", "why", "next_steps": [{"advice", "expected_gain"}]}``."""
+    eps = figures["examples_per_sec"]
+    wait = max(figures["input_wait_pct"], figures.get("profile", {}).get("input_wait_pct", 0.0))
+    memory_share = _memory_share(figures["memory"])
+    slow_input = eps["input_alone"] < INPUT_BOUND_RATIO * eps["compute_alone"]
+    if memory_share > MEMORY_BOUND_SHARE:
+        verdict, severity = "memory-bound", ""
+        why = f"peak memory is {memory_share:.0%} of what the machine has"
+        steps = _memory_steps(config, plan)
+    elif wait >= INPUT_BOUND_HIGH_PCT or (slow_input and wait >= INPUT_BOUND_MODERATE_PCT):
+        verdict = "input-bound"
+        severity = "highly" if wait >= INPUT_BOUND_HIGH_PCT else "moderately"
+        why = (f"{wait:.0f}% of step time waits for input; the pipeline alone gives "
+               f"{eps['input_alone']:.0f} examples/s, the model could take "
+               f"{eps['compute_alone']:.0f}")
+        steps = _input_steps(config, schema, figures)
+    else:
+        verdict, severity = "compute-bound", ""
+        why = (f"only {wait:.0f}% of step time waits for input; together "
+               f"{eps['together']:.0f} examples/s vs {eps['compute_alone']:.0f} for the model alone")
+        steps = _compute_steps(config, plan, figures, wait, memory_share)
+    steps.sort(key=lambda s: -s.pop("score"))
+    return {"verdict": verdict, "severity": severity, "why": why, "next_steps": steps}
+
+
+def _memory_share(memory: dict) -> float:
+    share = memory["peak_host_rss_mb"] / memory["host_total_mb"]
+    gpu_peaks = [v for k, v in memory.items() if k.startswith("gpu") and k.endswith("_peak_mb")]
+    gpu_totals = [v for k, v in memory.items() if k.startswith("gpu") and k.endswith("_total_mb")]
+    if gpu_peaks and gpu_totals:
+        share = max(share, max(p / t for p, t in zip(gpu_peaks, gpu_totals, strict=False)))
+    return share
+
+
+def _step(advice: str, score: float, gain: str) -> dict:
+    return {"advice": advice, "expected_gain": gain, "score": score}
+
+
+def _speedup(share: float, ceiling: float) -> tuple[float, str]:
+    """Removing ``share`` of input time speeds input up by 1/(1-share), capped by compute."""
+    gain = min(1 / max(1 - share, 1e-3), ceiling)
+    return gain, f"up to {gain:.1f}x"
+
+
+def _input_steps(config, schema, figures: dict) -> list[dict]:
+    data = config.data
+    eps = figures["examples_per_sec"]
+    ceiling = max(eps["compute_alone"] / max(eps["together"], 1e-9), 1.0)
+    stages = figures["stages_ms_per_batch"]
+    total = sum(stages.values()) or 1.0
+    share = {name: ms / total for name, ms in stages.items()}
+    feature = schema.input_feature
+    shards = len(schema.split(data.train_split).shards)
+    steps = []
+    decoded_gb = _decoded_gb(schema, data)
+    if share.get("decode", 0) >= 0.25:
+        stored_side = schema.options.get("image_max_side") or 0
+        target = data.image_size or (feature.shape[0] or 0)
+        score, gain = _speedup(share["decode"] * 0.7, ceiling)
+        if feature.is_image and target and (not stored_side or stored_side > 2 * target):
+            steps.append(_step(
+                f"parse+decode takes {share['decode']:.0%} of input time: reconvert with "
+                f"--image_max_side={_round_side(target)} so JPEGs are decoded near "
+                f"--image_size={target}", score, gain))
+        else:
+            steps.append(_step(
+                f"parse+decode takes {share['decode']:.0%} of input time: more CPU cores for "
+                "its parallel map, or move the input pipeline onto tf.data service workers",
+                score * 0.8, gain))
+    if data.cache == "none" and decoded_gb is not None:
+        fits = decoded_gb < 0.5 * _ram_gb(figures)
+        score, gain = _speedup(share.get("read", 0) + share.get("decode", 0), ceiling)
+        steps.append(_step(
+            f"cache after decode {'fits' if fits else 'does not fit'} the RAM budget "
+            f"(est. {_size(decoded_gb)}): --cache={'memory' if fits else 'disk'}", score,
+            gain + " from the second epoch"))
+    if share.get("read", 0) >= 0.1 or shards < SHARDS_FOR_INTERLEAVE // 4:
+        score, gain = _speedup(share.get("read", 0) * 0.8, ceiling)
+        if shards < SHARDS_FOR_INTERLEAVE:
+            steps.append(_step(
+                f"reading takes {share.get('read', 0):.0%} of input time and interleave has only "
+                f"{shards} shard(s) to read at once: write >= {SHARDS_FOR_INTERLEAVE} shards "
+                f"(reconvert with --shards={SHARDS_FOR_INTERLEAVE})", score, gain))
+    if share.get("augment", 0) >= 0.25:
+        score, gain = _speedup(share["augment"] * 0.5, ceiling)
+        steps.append(_step(
+            f"shuffle+augment take {share['augment']:.0%} of input time: drop costly --augment "
+            "ops or lower --shuffle_buffer", score, gain))
+    steps.append(_step("still short of the model's rate: add input workers with the tf.data "
+                       "service, or larger/faster CPUs for the input pipeline", 1.0,
+                       f"up to {ceiling:.1f}x (the compute ceiling)"))
+    return steps
+
+
+def _compute_steps(config, plan, figures: dict, wait: float, memory_share: float) -> list:
+    from tfspeed.config import RuntimeConfig
+    from tfspeed.runtime import detect_hardware, resolve
+
+    eps = figures["examples_per_sec"]
+    batch = config.data.batch_size
+    step_ms = 1000 * batch / max(eps["together"], 1e-9)
+    steps = []
+    best = resolve(RuntimeConfig(precision="auto", xla="auto"), detect_hardware())
+    if plan.precision == "float32" and best.precision != "float32":
+        steps.append(_step(f"input is {wait:.0f}% of step time: --precision={best.precision} "
+                           f"({best.reasons['precision']})", 2.0, "~1.5-3x on matrix units"))
+    if step_ms < 10 and config.train.steps_per_execution == 1:
+        steps.append(_step(f"a step takes {step_ms:.1f} ms, so Python overhead per step matters: "
+                           "--steps_per_execution=auto", 1.8, "up to 4x for tiny steps"))
+    if best.xla and not plan.xla:
+        steps.append(_step("--xla=on: fuse the step's kernels on the accelerator", 1.3,
+                           "~10-30%"))
+    if memory_share < 0.5:
+        steps.append(_step(f"memory is at {memory_share:.0%}: try --batch_size={2 * batch} "
+                           "with --scale_lr_with_batch for better device utilisation", 1.2,
+                           "~10-40% more examples/s"))
+    steps.append(_step(f"input is only {wait:.0f}% of step time: the model's step is the limit; "
+                       "a smaller model or a faster device is what is left", 1.0, "-"))
+    return steps
+
+
+def _memory_steps(config, plan) -> list[dict]:
+    batch, k = config.data.batch_size, config.train.grad_accum_steps
+    steps = [_step(f"--batch_size={max(batch // 2, 1)} --grad_accum_steps={2 * k}: the same "
+                   "update in half the activation memory", 3.0, "~half the activation memory")]
+    if not config.model.remat:
+        steps.append(_step("--remat: recompute activations in the backward pass", 2.5,
+                           "less activation memory for ~30% more compute"))
+    if plan.precision == "float32":
+        steps.append(_step("--precision=auto: 16-bit activations take half the memory", 2.0,
+                           "~half the activation memory"))
+    if config.data.cache == "memory":
+        steps.append(_step("--cache=disk: keep decoded records out of RAM", 1.5,
+                           "frees the cache's RAM"))
+    return steps
+
+
+def _decoded_gb(schema, data) -> float | None:
+    feature = schema.input_feature
+    shape = list(feature.shape)
+    if feature.is_image and data.image_size:
+        shape = [data.image_size, data.image_size, shape[-1]]
+    if None in shape:
+        return None
+    bytes_per_value = 1 if feature.dtype == "uint8" else 4
+    records = schema.split(data.train_split).num_records
+    return records * math.prod(shape) * bytes_per_value / 2**30
+
+
+def _size(gb: float) -> str:
+    return f"{gb:.1f} GB" if gb >= 1 else f"{gb * 1024:.0f} MB"
+
+
+def _ram_gb(figures: dict) -> float:
+    return figures["memory"]["host_total_mb"] / 1024
+
+
+def _round_side(target: int) -> int:
+    """A stored side a little above the training size, leaving room for crops."""
+    return int(math.ceil(target * 1.15 / 16) * 16)
