@@ -73,6 +73,25 @@ def test_cached_small_input_and_a_heavier_model_are_compute_bound(digits_dir, tm
                for s in result["next_steps"])
 
 
+def test_shared_cpu_is_called_input_bound(digits_dir):
+    """Little waiting, yet together far below either alone: input work steals the CPU."""
+    from tfspeed.data import schema as schema_lib
+    from tfspeed.runtime import Hardware, resolve
+
+    config = _config(digits_dir, "/tmp/unused", data={"cache": "none"})
+    figures = {
+        "examples_per_sec": {"input_alone": 1965.0, "compute_alone": 1910.0, "together": 949.0},
+        "input_wait_pct": 1.0, "profile": {"input_wait_pct": 0.1},
+        "stages_ms_per_batch": {"read": 1.2, "decode": 25.8, "augment": 5.4},
+        "memory": {"peak_host_rss_mb": 1000.0, "host_total_mb": 24_000.0},
+    }
+    result = advice.decide(config, schema_lib.read(digits_dir),
+                           resolve(config.runtime, Hardware()), figures)
+    assert (result["verdict"], result["severity"]) == ("input-bound", "by sharing the CPU")
+    assert "--cache=memory" in result["next_steps"][0]["advice"]
+    assert result["next_steps"][0]["expected_gain"].startswith("up to 2.0x")
+
+
 def test_memory_verdict_and_its_advice(digits_dir):
     """The decision itself, on figures where memory is nearly full."""
     from tfspeed.data import schema as schema_lib

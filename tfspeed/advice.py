@@ -14,6 +14,7 @@ from tfspeed.profiling import INPUT_BOUND_HIGH_PCT, INPUT_BOUND_MODERATE_PCT
 
 INPUT_BOUND_RATIO = 0.9  # a pipeline slower than this share of (b) cannot feed the model
 MEMORY_BOUND_SHARE = 0.85  # peak memory above this share of the machine's is the limit
+CONTENTION_RATIO = 0.75  # together below this share of min(input, model) alone: shared CPU
 SHARDS_FOR_INTERLEAVE = 16
 
 
@@ -23,6 +24,10 @@ def decide(config, schema, plan, figures: dict) -> dict:
     wait = max(figures["input_wait_pct"], figures.get("profile", {}).get("input_wait_pct", 0.0))
     memory_share = _memory_share(figures["memory"])
     slow_input = eps["input_alone"] < INPUT_BOUND_RATIO * eps["compute_alone"]
+    # On a host without accelerators the pipeline and the step share the CPU cores: prefetch
+    # keeps up (little waiting), yet together runs far below either alone.
+    contention = eps["together"] < CONTENTION_RATIO * min(eps["input_alone"],
+                                                          eps["compute_alone"])
     if memory_share > MEMORY_BOUND_SHARE:
         verdict, severity = "memory-bound", ""
         why = f"peak memory is {memory_share:.0%} of what the machine has"
@@ -33,6 +38,13 @@ def decide(config, schema, plan, figures: dict) -> dict:
         why = (f"{wait:.0f}% of step time waits for input; the pipeline alone gives "
                f"{eps['input_alone']:.0f} examples/s, the model could take "
                f"{eps['compute_alone']:.0f}")
+        steps = _input_steps(config, schema, figures)
+    elif contention:
+        verdict, severity = "input-bound", "by sharing the CPU"
+        why = (f"together {eps['together']:.0f} examples/s is "
+               f"{eps['together'] / min(eps['input_alone'], eps['compute_alone']):.0%} of the "
+               "slower of input alone and model alone: the input pipeline takes CPU time from "
+               "the step, though the step seldom waits")
         steps = _input_steps(config, schema, figures)
     else:
         verdict, severity = "compute-bound", ""
@@ -57,14 +69,19 @@ def _step(advice: str, score: float, gain: str) -> dict:
 
 
 def _speedup(share: float, ceiling: float) -> tuple[float, str]:
-    """Removing ``share`` of input time speeds input up by 1/(1-share), capped by compute."""
-    gain = min(1 / max(1 - share, 1e-3), ceiling)
-    return gain, f"up to {gain:.1f}x"
+    """Removing ``share`` of input time speeds input up by 1/(1-share), capped by compute.
+
+    Returns the uncapped figure as the ranking score (two fixes that both reach the cap are
+    ordered by how much input work they remove) and the capped one as the text.
+    """
+    gain = 1 / max(1 - share, 1e-3)
+    return gain, f"up to {min(gain, ceiling):.1f}x"
 
 
 def _input_steps(config, schema, figures: dict) -> list[dict]:
     data = config.data
     eps = figures["examples_per_sec"]
+    # Fixing the input entirely brings "together" up to the model-alone rate.
     ceiling = max(eps["compute_alone"] / max(eps["together"], 1e-9), 1.0)
     stages = figures["stages_ms_per_batch"]
     total = sum(stages.values()) or 1.0
@@ -74,8 +91,9 @@ def _input_steps(config, schema, figures: dict) -> list[dict]:
     steps = []
     decoded_gb = _decoded_gb(schema, data)
     if share.get("decode", 0) >= 0.25:
-        stored_side = schema.options.get("image_max_side") or 0
-        target = data.image_size or (feature.shape[0] or 0)
+        fixed_side = max(feature.shape[:2]) if None not in feature.shape[:2] else 0
+        stored_side = schema.options.get("image_max_side") or fixed_side
+        target = data.image_size or fixed_side
         score, gain = _speedup(share["decode"] * 0.7, ceiling)
         if feature.is_image and target and (not stored_side or stored_side > 2 * target):
             steps.append(_step(
@@ -168,7 +186,9 @@ def _decoded_gb(schema, data) -> float | None:
 
 
 def _size(gb: float) -> str:
-    return f"{gb:.1f} GB" if gb >= 1 else f"{gb * 1024:.0f} MB"
+    if gb >= 1:
+        return f"{gb:.1f} GB"
+    return f"{gb * 1024:.0f} MB" if gb * 1024 >= 1 else f"{gb * 2**20:.0f} KB"
 
 
 def _ram_gb(figures: dict) -> float:

@@ -172,7 +172,7 @@ def report_lines(result: dict) -> list[str]:
     memory = result["memory"]
     lines = [
         f"tfspeed diagnose: {result['verdict'].upper()}" + (
-            f" ({result['severity']})" if result.get("severity") else ""),
+            f" ({result['severity']})" if result.get("severity") else "") + f": {result['why']}",
         f"  input pipeline alone : {eps['input_alone']:10.0f} examples/s",
         f"  model alone          : {eps['compute_alone']:10.0f} examples/s (synthetic batch)",
         f"  together             : {eps['together']:10.0f} examples/s, "
