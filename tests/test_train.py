@@ -36,6 +36,7 @@ def test_smoke_job_converts_the_demo_data_and_writes_a_report(tmp_path):
     assert report["optimizer_updates"] == 6
     assert report["examples_per_sec"] > 0 and report["step_time_ms"] > 0
     assert 0 <= report["input_wait_pct"] <= 100
+    assert report["peak_host_rss_mb"] > 100  # a TF process holds hundreds of MB
     assert 0 <= report["eval_accuracy"] <= 1 and report["eval_loss"] > 0
     assert report["config"]["train"]["train_steps"] == 6
     assert report["runtime"]["reasons"]["precision"]

@@ -39,6 +39,8 @@ def summary_lines(report: dict) -> list[str]:
         f"{report['step_time_ms']:.2f} ms/step, {report['input_wait_pct']:.0f}% waiting for "
         f"input (median over {report['steps_measured']} steps)",
     ]
+    if "peak_host_rss_mb" in report:
+        lines.append(f"peak host memory: {report['peak_host_rss_mb'] / 1024:.2f} GB")
     runtime = report.get("runtime", {})
     if runtime:
         lines.append(
