@@ -35,11 +35,21 @@ def import_tensorflow_quietly() -> None:
 def main_entry(main: Callable[[], int | None]) -> None:
     """Runs a CLI ``main``: TF imported quietly, UsageError -> one line and exit status 2."""
     import_tensorflow_quietly()
+    _quiet_tensorflow_info()
+    sys.exit(exit_on_usage_error(main))
+
+
+def _quiet_tensorflow_info() -> None:
+    """Keeps tfspeed's INFO lines but drops TF's (async checkpoint threads narrate each save)."""
     import logging
 
-    # TF's Python logger (absl handler) narrates checkpoint threads at INFO; keep ours.
+    from absl import logging as absl_logging
+
+    def keep(record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.WARNING or "tensorflow" not in record.pathname
+
     logging.getLogger("tensorflow").setLevel(logging.WARNING)
-    sys.exit(exit_on_usage_error(main))
+    absl_logging.get_absl_logger().addFilter(keep)
 
 
 def convert_main() -> None:
