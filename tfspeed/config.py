@@ -14,6 +14,7 @@ from tfspeed.errors import UsageError
 
 CACHE_MODES = ("none", "memory", "disk")
 PARSE_MODES = ("auto", "batched", "single")
+ON_CORRUPT_MODES = ("skip", "fail")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +43,11 @@ class DataConfig:
       train_split / eval_split: split names.
       prepare_source: if ``data_dir`` holds no finished conversion, convert this converter
         ``--source`` into it first (the demo job uses ``digits``).
+      on_corrupt: what reading a damaged shard does. TF cannot skip one bad record inside a
+        file, so the rest of that shard is lost for the epoch either way; ``skip`` warns once
+        per shard per epoch with the records lost and counts them
+        (``tfspeed.data.pipeline.corruption_report()``), ``fail`` stops with an error naming
+        the shard. Both name the fix: ``python -m tfspeed.verify DATA_DIR --repair``.
     """
 
     data_dir: str
@@ -59,6 +65,7 @@ class DataConfig:
     train_split: str = "train"
     eval_split: str = "validation"
     prepare_source: str = ""
+    on_corrupt: str = "skip"
 
     def validate(self) -> DataConfig:
         from tfspeed.data.ops import AUGMENTATIONS  # ops import TF; keep config import light
@@ -71,6 +78,7 @@ class DataConfig:
         _positive("shuffle_buffer", self.shuffle_buffer)
         _choice("cache", self.cache, CACHE_MODES)
         _choice("parse", self.parse, PARSE_MODES)
+        _choice("on_corrupt", self.on_corrupt, ON_CORRUPT_MODES)
         for name in self.augment:
             _choice("augment", name, AUGMENTATIONS)
         return self

@@ -12,7 +12,9 @@ import glob
 import hashlib
 import json
 import os
+import re
 import socket
+import threading
 
 import tensorflow as tf
 from absl import logging
@@ -88,7 +90,8 @@ def build_from_config(
         )
     _check_input_fits(schema, config)
 
-    ds = tf.data.Dataset.from_tensor_slices(files)
+    expected = [s.num_records for s in schema.split(split).shards]
+    ds = tf.data.Dataset.from_tensor_slices((files, expected))
     # Shard by file when every pipeline gets at least one: no pipeline reads bytes it drops.
     shard_by_file = num_pipelines > 1 and len(files) >= num_pipelines
     if shard_by_file:
@@ -98,7 +101,7 @@ def build_from_config(
         ds = ds.shuffle(len(files), seed=config.seed, reshuffle_each_iteration=True)
     # Parallel interleave: reads several shards at once, hiding per-file latency.
     ds = ds.interleave(
-        tf.data.TFRecordDataset,
+        _shard_reader(config),
         cycle_length=min(len(files), 16),
         num_parallel_calls=AUTOTUNE,
         deterministic=deterministic,
@@ -128,6 +131,85 @@ def build_from_config(
     ds = ds.map(_finalize(schema, config), num_parallel_calls=AUTOTUNE, deterministic=deterministic)
     ds = ds.prefetch(AUTOTUNE)  # overlap the producer with the training step
     return ds.with_options(_options(config, deterministic))
+
+
+_lost_lock = threading.Lock()
+_lost: dict[str, int] = {}  # shard path -> records lost, summed over reads (epochs)
+_FAIL_PATTERN = re.compile(r"tfspeed: shard .*? --repair`")
+
+
+def corruption_report() -> dict[str, int]:
+    """Records lost to damaged or truncated shards in this process: shard path -> count.
+
+    Cumulative over every pipeline and epoch that read a damaged shard to its end.
+    """
+    with _lost_lock:
+        return dict(_lost)
+
+
+def reset_corruption_report() -> None:
+    """Clears ``corruption_report()`` (tests, or a driver that reports per run)."""
+    with _lost_lock:
+        _lost.clear()
+
+
+def corruption_error(error: BaseException) -> str | None:
+    """The one-line ``tfspeed: shard ...`` message of an ``on_corrupt="fail"`` error, or None.
+
+    TF wraps the message in iterator and node context; this digs it out, so a driver can
+    turn it into a UsageError.
+    """
+    match = _FAIL_PATTERN.search(str(getattr(error, "message", error)))
+    return match.group(0) if match else None
+
+
+def _shard_reader(config: DataConfig):
+    """(shard path, expected records) -> that shard's records, with lost records accounted.
+
+    A damaged record makes TFRecordDataset raise, and ``ignore_errors`` then drops the
+    rest of the file: TF cannot resume inside a file. A cut inside a record header ends the
+    file with no error at all. Both are caught the same way: a sentinel after the shard's
+    last record, a ``scan`` counting records, and at the sentinel a check (once per shard
+    per epoch) of the count against ``schema.json``. The sentinel is filtered out here, so
+    it never reaches parsing.
+    """
+    fail = config.on_corrupt == "fail"
+    repair = f"python -m tfspeed.verify {config.data_dir} --repair"
+
+    def account(path, read, expected):
+        path = path.numpy().decode()
+        read, expected = int(read), int(expected)
+        lost = expected - read
+        if lost <= 0:
+            return ""
+        message = (f"tfspeed: shard {path} ended after {read} of {expected} records, "
+                   f"{lost} lost (damaged or truncated); repair with `{repair}`")
+        if fail:
+            return message
+        with _lost_lock:
+            _lost[path] = _lost.get(path, 0) + lost
+        logging.warning("%s", message)
+        return ""
+
+    def read(path, expected):
+        def count(n, element):  # n: records before this element
+            record, is_end = element
+            error = tf.cond(
+                is_end,
+                lambda: tf.py_function(account, [path, n, expected], tf.string),
+                lambda: tf.constant(""),
+            )
+            check = tf.debugging.Assert(tf.equal(error, ""), [error])
+            with tf.control_dependencies([check]):
+                return n + 1, (tf.identity(record), is_end)
+
+        records = tf.data.TFRecordDataset(path).ignore_errors()
+        sentinel = tf.data.Dataset.from_tensors((tf.constant(b""), True))
+        ds = records.map(lambda r: (r, False)).concatenate(sentinel)
+        ds = ds.scan(tf.constant(0, tf.int64), count)
+        return ds.filter(lambda r, is_end: tf.logical_not(is_end)).map(lambda r, _: r)
+
+    return read
 
 
 def input_shape(schema: schema_lib.Schema, config: DataConfig) -> tuple[int, ...]:
@@ -231,6 +313,9 @@ def _options(config: DataConfig, deterministic: bool) -> tf.data.Options:
     # We shard explicitly above; tf.distribute must not shard a second time.
     options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
     options.experimental_optimization.map_parallelization = True
+    # The read stage's corruption accounting is a py_function; saving an iterator must
+    # not fail on it (it holds no state a checkpoint needs: the pipeline is rebuilt).
+    options.experimental_external_state_policy = tf.data.experimental.ExternalStatePolicy.IGNORE
     return options
 
 
