@@ -18,7 +18,7 @@ from tfspeed.errors import UsageError
 
 
 def _all(ds):
-    xs, ys = zip(*((x.numpy(), y.numpy()) for x, y in ds))
+    xs, ys = zip(*((x.numpy(), y.numpy()) for x, y in ds), strict=True)
     return np.concatenate(xs), np.concatenate(ys)
 
 
@@ -30,8 +30,8 @@ def test_eval_split_yields_every_record_once_with_source_values(digits_dir):
     # Every example is one of the real digits with its own label (pixels scaled to [0, 1]).
     digits = load_digits()
     source = {np.round(img * 255 / 16).astype(np.uint8).tobytes(): label
-              for img, label in zip(digits.images, digits.target)}
-    for image, label in zip(x, y):
+              for img, label in zip(digits.images, digits.target, strict=True)}
+    for image, label in zip(x, y, strict=True):
         key = np.round(image[..., 0] * 255).astype(np.uint8).tobytes()
         assert source[key] == label
 
@@ -69,8 +69,8 @@ def test_raw_images_come_back_as_stored(raw_images_dir, tmp_path):
     x, y = _all(tfspeed.data.build(raw_images_dir, "validation", 8))
     assert x.shape == (20, 6, 6, 3) and x.dtype == np.float32
     source = np.load(os.path.join(os.path.dirname(raw_images_dir), "data.npz"))
-    by_bytes = {img.tobytes(): label for img, label in zip(source["x"], source["y"])}
-    for image, label in zip(x, y):
+    by_bytes = {img.tobytes(): label for img, label in zip(source["x"], source["y"], strict=True)}
+    for image, label in zip(x, y, strict=True):
         assert by_bytes[np.round(image * 255).astype(np.uint8).tobytes()] == label
 
 
@@ -86,7 +86,7 @@ def test_images_of_varying_size_need_image_size(photos_dir):
     with pytest.raises(UsageError, match="--image_size"):
         tfspeed.data.build(photos_dir, "train", 4)
     x, _ = _all(tfspeed.data.build(photos_dir, "validation", 4, image_size=16))
-    assert x.shape[1:] == (16, 16, 3) and 0 <= x.min() and x.max() <= 1
+    assert x.shape[1:] == (16, 16, 3) and x.min() >= 0 and x.max() <= 1
 
 
 @pytest.mark.parametrize("shards_in_split", ["train", "validation"])  # 4 shards vs 1 shard

@@ -8,8 +8,8 @@ import sys
 import pytest
 from absl import flags
 from absl.testing import flagsaver
-
 from conftest import REPO
+
 from tfspeed import flags as tfspeed_flags
 from tfspeed import train
 from tfspeed.errors import UsageError
@@ -32,7 +32,7 @@ def test_smoke_job_converts_the_demo_data_and_writes_a_report(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert (data_dir / "schema.json").exists()
     report = json.loads((model_dir / "report.json").read_text())
-    assert REPORT_KEYS <= set(report)
+    assert set(report) >= REPORT_KEYS
     assert report["optimizer_updates"] == 6
     assert report["examples_per_sec"] > 0 and report["step_time_ms"] > 0
     assert 0 <= report["input_wait_pct"] <= 100

@@ -8,6 +8,7 @@ Measure first, then remove the bottleneck. The package is split by concern:
 
 import importlib.util
 
+
 def _has_tensorflow() -> bool:
     try:
         return importlib.util.find_spec("tensorflow") is not None

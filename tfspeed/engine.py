@@ -168,6 +168,11 @@ class Engine:
             if not optimizer.built:
                 optimizer.build(self._variables)
             self._state = _EngineState(self._variables, options)
+            # The first micro-step whose loss was not finite (0: none yet) and that loss. Not in
+            # the checkpointed state: a checkpoint never holds a diverged run.
+            self._nonfinite_step = tf.Variable(0, trainable=False, dtype=tf.int64,
+                                               aggregation=_ONLY_FIRST)
+            self._nonfinite_loss = tf.Variable(0.0, trainable=False, aggregation=_ONLY_FIRST)
         if options.loss_scale is False and model.dtype_policy.name == "mixed_float16":
             logging.warning("mixed_float16 without loss scaling: small gradients will underflow")
         jit = tf.function(jit_compile=True) if options.xla else (lambda f: f)
@@ -238,6 +243,13 @@ class Engine:
     def skipped_updates(self) -> tf.Tensor:
         """Updates skipped because their gradients were not finite (loss scaling only)."""
         return self._state.skipped_updates.read_value()
+
+    @property
+    def first_nonfinite_loss(self) -> tuple[tf.Tensor, tf.Tensor]:
+        """`(micro-step, loss)` of the first micro-step whose loss was NaN or Inf; micro-step 0
+        if none was. Recorded on the device each step without a host sync; not tracked with
+        loss scaling, where non-finite steps are skipped instead."""
+        return self._nonfinite_step.read_value(), self._nonfinite_loss.read_value()
 
     @property
     def loss_scale(self) -> tf.Tensor:
@@ -322,7 +334,18 @@ class Engine:
         with tf.control_dependencies(tf.nest.flatten((x, y), expand_composites=True)):
             wait = tf.timestamp() - before
         # One small reduce per micro-step, inside the loop (what works with 2 replicas).
-        return self.strategy.reduce(_SUM, self._micro_step(x, y), axis=None), wait
+        metrics = self.strategy.reduce(_SUM, self._micro_step(x, y), axis=None)
+        if not self.options.loss_scale:
+            self._record_nonfinite(metrics[0])
+        return metrics, wait
+
+    def _record_nonfinite(self, loss):
+        # Branch-free (a tiny assign per step): cheaper than a cond inside the step loop.
+        first = tf.logical_and(self._nonfinite_step.read_value() == 0,
+                               tf.logical_not(tf.math.is_finite(loss)))
+        self._nonfinite_step.assign(tf.where(first, self._state.micro_steps.read_value(),
+                                             self._nonfinite_step.read_value()))
+        self._nonfinite_loss.assign(tf.where(first, loss, self._nonfinite_loss.read_value()))
 
     def _outputs(self, totals, waited, steps):
         return {

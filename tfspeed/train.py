@@ -173,7 +173,14 @@ def _make_dir(path: str) -> None:
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise UsageError(f"unexpected arguments {argv[1:]}: every option is a --flag")
-    run(tfspeed_flags.to_config())
+    config = tfspeed_flags.to_config()
+    from tfspeed import trainer
+
+    try:
+        run(config)
+    except trainer.Stopped as e:
+        print(e, file=sys.stderr)  # one line; the checkpoint is written
+        sys.exit(e.exit_status)
 
 
 def run_main() -> None:

@@ -4,13 +4,19 @@ Stock ``model.fit`` fails under MirroredStrategy with gradient accumulation, ``j
 or ``steps_per_execution > 1`` (see NOTES.md), so training runs on the engine; this module
 adds what a run needs around it: the learning-rate schedule, checkpoints and resumption,
 the steps_per_execution tuner, progress, TensorBoard scalars and throughput.
+
+Fault tolerance: checkpoints hold the input position where tf.data can save it, so a killed
+run resumes without repeating or skipping data; SIGTERM/SIGINT end the current execution,
+save and raise ``Stopped``; a NaN/Inf loss raises ``LossDiverged`` before it is checkpointed.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import signal
 import sys
+import threading
 import time
 
 import keras
@@ -19,6 +25,7 @@ from absl import logging
 
 from tfspeed import callbacks as meters
 from tfspeed import profiling
+from tfspeed.checkpoints import Checkpoints, LossDiverged  # noqa: F401 -- re-exported
 from tfspeed.config import TrainConfig
 from tfspeed.engine import Engine, EngineOptions
 from tfspeed.errors import UsageError
@@ -26,6 +33,20 @@ from tfspeed.runtime import Runtime
 
 # Linear scaling rule (Goyal et al. 2017): the learning rate is given for this batch size.
 REFERENCE_BATCH = 256
+
+
+class Stopped(Exception):
+    """Training stopped by SIGTERM/SIGINT after a final checkpoint; rerunning resumes it.
+
+    Attributes:
+      exit_status: 128 + the signal number (143 for SIGTERM), the shell convention.
+    """
+
+    def __init__(self, signum: int, updates: int):
+        name = signal.Signals(signum).name
+        super().__init__(f"stopped by {name} at update {updates}; "
+                         "rerun the same command to resume")
+        self.exit_status = 128 + signum
 
 
 @dataclasses.dataclass
@@ -156,16 +177,20 @@ def fit(
                          "lower them")
     engine = make_engine(model, config, runtime, global_batch_size, total_updates)
     optimizer = engine.optimizer
-    checkpoints = _Checkpoints(engine, model_dir, config)
+    iterator = iter(train_data)
+    checkpoints = Checkpoints(engine, model_dir, config, iterator)
     resumed = checkpoints.restore()
     if resumed >= total_updates:
         logging.warning("%s already holds a run trained to update %d of %d: evaluating only "
                         "(use a new --model_dir to train again)", model_dir, resumed, total_updates)
     loop = _Loop(engine, config, global_batch_size, model_dir, total_updates * k)
     start = time.perf_counter()
-    loop.run(iter(train_data), checkpoints)
+    with _StopRequests() as stop:
+        loop.run(iterator, checkpoints, stop)
     fit_seconds = time.perf_counter() - start
     checkpoints.save(final=True)
+    if stop.signum:
+        raise Stopped(stop.signum, int(optimizer.iterations.numpy()))
     start = time.perf_counter()
     eval_metrics = engine.evaluate(eval_data, eval_steps) if eval_data is not None else {}
     loop.log_eval(eval_metrics)
@@ -184,71 +209,29 @@ def fit(
     )
 
 
-def _variables_module(engine: Engine) -> tf.Module:
-    """The training state as the ``tf.Variable``s behind the Keras variables.
+class _StopRequests:
+    """While active, SIGTERM and SIGINT only set ``signum``: the loop ends its current
+    execution, and ``fit`` saves and raises ``Stopped``. A second signal acts at once (the
+    previous handler is back). Signal handlers exist only in the main thread."""
 
-    Async checkpointing of Keras 3 ``Variable`` objects fails from the second save on
-    ("tf.function only supports singleton tf.Variables", raised in Keras'
-    ``_copy_trackable_to_cpu``); the underlying TF variables save asynchronously fine.
-    Variables are keyed by position: layer names (``dense_12``) depend on what else the
-    process built, positions only on the architecture.
-    """
-    state = tf.Module()
-    state.model = [v.value for v in engine.model.variables]
-    state.optimizer = [v.value for v in engine.optimizer.variables]
-    state.engine = engine.checkpoint_items["engine"]
-    return state
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
+    def __init__(self):
+        self.signum = 0
+        self._previous: dict = {}
 
-class _Checkpoints:
-    """Model, optimizer and engine state (accumulators, counters, loss scale) under
-    ``model_dir/checkpoints``, every ``checkpoint_every`` updates, keeping the last few."""
+    def __enter__(self) -> _StopRequests:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {s: signal.signal(s, self._request) for s in self.SIGNALS}
+        return self
 
-    def __init__(self, engine: Engine, model_dir: str, config: TrainConfig):
-        self.engine, self.every = engine, config.checkpoint_every
-        self.checkpoint = tf.train.Checkpoint(state=_variables_module(engine))
-        self.manager = tf.train.CheckpointManager(
-            self.checkpoint, os.path.join(model_dir, "checkpoints"),
-            max_to_keep=config.keep_checkpoints)
-        # Async: the step goes on while the checkpoint is written from a copy of the values.
-        self.options = tf.train.CheckpointOptions(enable_async=True)
-        self.last_saved = -1
+    def _request(self, signum, frame) -> None:
+        self.signum = signum
+        signal.signal(signum, self._previous[signum])
 
-    def restore(self) -> int:
-        """Restores the newest checkpoint, if any; returns its update number (0 if none)."""
-        latest = self.manager.latest_checkpoint
-        if not latest:
-            return 0
-        self.checkpoint.restore(latest).assert_existing_objects_matched()
-        updates = int(self.engine.optimizer.iterations.numpy())
-        logging.info("resumed from %s at update %d", latest, updates)
-        self.last_saved = updates
-        return updates
-
-    def maybe_save(self, updates: int) -> None:
-        if self.every and updates // self.every > max(self.last_saved, 0) // self.every:
-            self._save(updates)
-
-    def save(self, final: bool = False) -> None:
-        updates = int(self.engine.optimizer.iterations.numpy())
-        if updates != self.last_saved:
-            self._save(updates)
-        if final:
-            self.checkpoint.sync()  # the async writer must finish before the process exits
-
-    def _save(self, updates: int) -> None:
-        try:
-            self.manager.save(checkpoint_number=updates, options=self.options)
-        except ValueError as e:
-            if not self.options.experimental_enable_async_checkpoint:
-                raise
-            # TF 2.21 + Keras 3: the second async save fails while copying Keras variables to
-            # the CPU ("tf.function only supports singleton tf.Variables"). Nothing was
-            # written; save synchronously from now on.
-            logging.warning("async checkpointing failed (%s); saving synchronously", e)
-            self.options = tf.train.CheckpointOptions()
-            self.manager.save(checkpoint_number=updates, options=self.options)
-        self.last_saved = updates
+    def __exit__(self, *exc) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
 
 
 class _Loop:
@@ -268,7 +251,7 @@ class _Loop:
                                                 *config.profile_steps)
                         if config.profile_steps else None)
 
-    def run(self, iterator, checkpoints) -> None:
+    def run(self, iterator, checkpoints, stop) -> None:
         done = int(self.engine.micro_steps.numpy())  # > 0 after a resume
         spe = self.config.steps_per_execution
         if not spe:
@@ -288,9 +271,12 @@ class _Loop:
             if self.profile:
                 self.profile.after(done)
             if done - logged >= self.config.log_every or done == self.total_micro:
+                checkpoints.check_finite()
                 self._log(out, done, done - logged, float(waited))
                 logged, waited = done, 0.0
             checkpoints.maybe_save(done // self.k)
+            if stop.signum:
+                break
         if self.profile:
             self.profile.stop()  # the run ended inside the window
 

@@ -1,0 +1,162 @@
+"""Training survives faults: SIGKILL (resume from the last checkpoint, input position
+included), SIGTERM (final checkpoint, status 143) and a diverging loss (one line, nothing
+bad checkpointed). Real processes and real signals; a tiny MLP on the digits demo."""
+
+import json
+import logging
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tests.conftest import REPO
+from tfspeed.config import Config, DataConfig, ModelConfig, RuntimeConfig, TrainConfig
+from tfspeed.train import run
+from tfspeed.trainer import LossDiverged
+
+NOT_CHECKPOINTED = "the input position is not checkpointed"
+
+
+def _command(data_dir, model_dir, steps, every=1):
+    return [sys.executable, "-m", "tfspeed.train", f"--data_dir={data_dir}",
+            f"--model_dir={model_dir}", "--model=mlp", "--width=16", "--precision=float32",
+            "--strategy=default", "--noshuffle", "--batch_size=32", "--steps_per_execution=1",
+            f"--train_steps={steps}", f"--checkpoint_every={every}", "--log_every=50",
+            "--eval_split="]
+
+
+def _start(command):
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
+    return subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _finish(process, timeout=60):
+    out, err = process.communicate(timeout=timeout)
+    return process.returncode, out, err
+
+
+def _checkpoint_numbers(model_dir: Path) -> list[int]:
+    return sorted(int(p.name[5:-6]) for p in (model_dir / "checkpoints").glob("ckpt-*.index"))
+
+
+def _wait_for_checkpoint(process, model_dir: Path, at_least: int, timeout=60) -> int:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        numbers = _checkpoint_numbers(model_dir) if (model_dir / "checkpoints").exists() else []
+        if numbers and numbers[-1] >= at_least:
+            return numbers[-1]
+        assert process.poll() is None, f"the run ended before ckpt-{at_least}: {_finish(process)}"
+        time.sleep(0.005)
+    raise AssertionError(f"no ckpt-{at_least} after {timeout} s")
+
+
+def _weights(model_dir: Path) -> list[np.ndarray]:
+    return keras.models.load_model(model_dir / "model.keras").get_weights()
+
+
+def _report(model_dir: Path) -> dict:
+    return json.loads((model_dir / "report.json").read_text())
+
+
+def test_sigkill_then_the_same_command_ends_with_the_same_weights(digits_dir, tmp_path):
+    """Model, optimizer, step and input position come back: no batch repeated or skipped."""
+    steps = 150
+    reference_dir, killed_dir = tmp_path / "reference", tmp_path / "killed"
+    reference = _start(_command(digits_dir, reference_dir, steps))
+    killed = _start(_command(digits_dir, killed_dir, steps))
+    kill_after = random.Random(7).randint(10, 40)
+    reached = _wait_for_checkpoint(killed, killed_dir, kill_after)
+    killed.send_signal(signal.SIGKILL)
+    assert killed.wait(timeout=30) == -signal.SIGKILL
+    status, _, err = _finish(_start(_command(digits_dir, killed_dir, steps)))
+    assert status == 0, err
+    assert NOT_CHECKPOINTED not in err, "the input pipeline could not be checkpointed: " + err
+    status, _, err = _finish(reference)
+    assert status == 0, err
+
+    resumed, uninterrupted = _report(killed_dir), _report(reference_dir)
+    # The checkpoint state file names ckpt-N only after ckpt-N is written: a kill in between
+    # resumes from the one before.
+    assert resumed["resumed_from_update"] >= reached - 1 >= kill_after - 1
+    assert resumed["optimizer_updates"] == uninterrupted["optimizer_updates"] == steps
+    assert resumed["micro_steps"] == uninterrupted["micro_steps"] == steps
+    for got, want in zip(_weights(killed_dir), _weights(reference_dir), strict=True):
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)  # float32, fixed order
+
+
+def test_sigterm_saves_a_final_checkpoint_and_the_rerun_finishes(digits_dir, tmp_path):
+    steps = 400
+    command = _command(digits_dir, tmp_path, steps, every=50)
+    process = _start(command)
+    # Wait until training runs (the first checkpoint after 50 updates), then stop it.
+    _wait_for_checkpoint(process, tmp_path, 50)
+    process.send_signal(signal.SIGTERM)
+    status, _, err = _finish(process)
+    assert status == 128 + signal.SIGTERM, err
+    stopped = re.findall(r"stopped by SIGTERM at update (\d+); rerun the same command to "
+                         r"resume", err)
+    assert len(stopped) == 1, err
+    update = int(stopped[0])
+    assert 50 <= update < steps
+    assert _checkpoint_numbers(tmp_path)[-1] == update  # saved at the update reached
+    assert not (tmp_path / "report.json").exists()
+
+    status, _, err = _finish(_start(command))
+    assert status == 0, err
+    report = _report(tmp_path)
+    assert report["resumed_from_update"] == update
+    assert report["optimizer_updates"] == report["micro_steps"] == steps
+
+
+def _config(data_dir, model_dir, *, steps, strategy="default", replicas=0, **train):
+    return Config(
+        data=DataConfig(data_dir=data_dir, batch_size=32, shuffle=False, cache="memory",
+                        eval_split=""),
+        model=ModelConfig(name="mlp", width=16),
+        runtime=RuntimeConfig(strategy=strategy, cpu_replicas=replicas, precision="float32",
+                              xla="off"),
+        train=TrainConfig(train_steps=steps, steps_per_execution=1, checkpoint_every=1,
+                          keep_checkpoints=50, log_every=4, **train),
+        model_dir=str(model_dir),
+    ).validate()
+
+
+def test_a_diverging_loss_stops_the_run_before_it_is_checkpointed(digits_dir, tmp_path):
+    config = _config(digits_dir, tmp_path, steps=30, optimizer="sgd", learning_rate=1e30)
+    with pytest.raises(LossDiverged) as caught:
+        run(config)
+    message = str(caught.value)
+    assert re.fullmatch(r"loss became (NaN|Inf) at update (\d+) \(micro-step \2\); "
+                        r"(the last good checkpoint is ckpt-\d+|no checkpoint was written) "
+                        r"— lower --learning_rate or check the data", message), message
+    checkpoints = sorted((tmp_path / "checkpoints").glob("ckpt-*.index"))
+    if "ckpt-" in message:
+        assert checkpoints[-1].name == message.split(" is ")[1].split(" ")[0] + ".index"
+    for index in checkpoints:
+        reader = tf.train.load_checkpoint(str(index)[: -len(".index")])
+        for name, dtype in reader.get_variable_to_dtype_map().items():
+            if dtype.is_floating:
+                assert np.isfinite(reader.get_tensor(name)).all(), (index.name, name)
+    assert not (tmp_path / "model.keras").exists()
+
+
+def test_mirrored_resume_restarts_the_data_stream_with_one_warning(digits_dir, tmp_path,
+                                                                   caplog):
+    """tf.distribute iterators over 2 replicas cannot be checkpointed in TF 2.21."""
+    with caplog.at_level(logging.WARNING):
+        run(_config(digits_dir, tmp_path, steps=3, strategy="mirrored", replicas=2))
+        caplog.clear()
+        report = run(_config(digits_dir, tmp_path, steps=5, strategy="mirrored", replicas=2))
+    assert report["resumed_from_update"] == 3 and report["optimizer_updates"] == 5
+    warnings = [r.getMessage() for r in caplog.records if NOT_CHECKPOINTED in r.getMessage()]
+    assert len(warnings) == 1, warnings

@@ -1,0 +1,146 @@
+"""Checkpoints of a training run: weights, optimizer, engine state and the input position.
+
+Written every ``checkpoint_every`` updates under ``model_dir/checkpoints`` (the last few
+kept), never from a diverged state, and restored from the newest complete one.
+"""
+
+from __future__ import annotations
+
+import os
+
+import tensorflow as tf
+from absl import logging
+
+from tfspeed.config import TrainConfig
+from tfspeed.engine import Engine
+from tfspeed.errors import UsageError
+
+
+class LossDiverged(UsageError):
+    """The training loss or the weights became NaN/Inf; nothing of it was checkpointed."""
+
+
+def _variables_module(engine: Engine) -> tf.Module:
+    """The training state as the ``tf.Variable``s behind the Keras variables.
+
+    Async checkpointing of Keras 3 ``Variable`` objects fails from the second save on
+    ("tf.function only supports singleton tf.Variables", raised in Keras'
+    ``_copy_trackable_to_cpu``); the underlying TF variables save asynchronously fine.
+    Variables are keyed by position: layer names (``dense_12``) depend on what else the
+    process built, positions only on the architecture.
+    """
+    state = tf.Module()
+    state.model = [v.value for v in engine.model.variables]
+    state.optimizer = [v.value for v in engine.optimizer.variables]
+    state.engine = engine.checkpoint_items["engine"]
+    return state
+
+
+@tf.function
+def _all_finite(variables) -> tf.Tensor:
+    return tf.reduce_all([tf.reduce_all(tf.math.is_finite(v)) for v in variables])
+
+
+class Checkpoints:
+    """Model, optimizer, engine state (accumulators, counters, loss scale) and the input
+    position under ``model_dir/checkpoints``, every ``checkpoint_every`` updates, keeping
+    the last few. Never saves a diverged state (``LossDiverged`` instead)."""
+
+    def __init__(self, engine: Engine, model_dir: str, config: TrainConfig, iterator):
+        self.engine, self.every = engine, config.checkpoint_every
+        self.directory = os.path.join(model_dir, "checkpoints")
+        self.keep = config.keep_checkpoints
+        self.k = config.grad_accum_steps
+        try:
+            self._track(iterator)
+        except ValueError:
+            # MirroredStrategy's DistributedIterator (and its MultiDeviceIterator) are not
+            # trackable in TF 2.21; only the default strategy's plain iterator is.
+            self._track(None, f"{type(iterator).__name__} cannot be checkpointed")
+        # Async: the step goes on while the checkpoint is written from a copy of the values.
+        # Not with the input position in it: the iterator's state is serialised by the
+        # writer thread, later than the weights were copied, so the two would disagree.
+        self.options = tf.train.CheckpointOptions(enable_async=not self.has_iterator)
+        self.last_saved = -1
+        self._floats = [v.value for v in engine.model.variables + engine.optimizer.variables
+                        if tf.as_dtype(v.dtype).is_floating]
+
+    def _track(self, iterator, why: str = "") -> None:
+        items = {"state": _variables_module(self.engine)}
+        self.has_iterator = iterator is not None
+        if iterator is not None:
+            items["iterator"] = iterator
+        else:
+            logging.warning("the input position is not checkpointed (%s): a resumed run "
+                            "restarts the data stream from its beginning", why)
+        self.checkpoint = tf.train.Checkpoint(**items)
+        self.manager = tf.train.CheckpointManager(self.checkpoint, self.directory,
+                                                  max_to_keep=self.keep)
+
+    def restore(self) -> int:
+        """Restores the newest complete checkpoint, if any; returns its update (0 if none)."""
+        # The manager records a checkpoint in the ``checkpoint`` state file (atomically) only
+        # after its files are written, even when saving async; a lost file still falls back.
+        complete = [p for p in self.manager.checkpoints if tf.io.gfile.exists(p + ".index")]
+        if not complete:
+            return 0
+        latest = complete[-1]
+        self.checkpoint.restore(latest).assert_existing_objects_matched()
+        updates = int(self.engine.optimizer.iterations.numpy())
+        logging.info("resumed from %s at update %d", latest, updates)
+        self.last_saved = updates
+        return updates
+
+    def maybe_save(self, updates: int) -> None:
+        if self.every and updates // self.every > max(self.last_saved, 0) // self.every:
+            self._save(updates)
+
+    def save(self, final: bool = False) -> None:
+        updates = int(self.engine.optimizer.iterations.numpy())
+        if updates != self.last_saved:
+            self._save(updates)
+        if final:
+            self.checkpoint.sync()  # the async writer must finish before the process exits
+
+    def check_finite(self) -> None:
+        """Raises ``LossDiverged`` if a loss since the start, or any weight, is NaN/Inf.
+
+        One host sync; called at log points and before each save, never per step.
+        """
+        step, loss = (t.numpy() for t in self.engine.first_nonfinite_loss)
+        if step:
+            what = (f"loss became {'NaN' if loss != loss else 'Inf'} at update "
+                    f"{(step - 1) // self.k + 1} (micro-step {step})")
+        elif not bool(_all_finite(self._floats)):
+            updates = int(self.engine.optimizer.iterations.numpy())
+            what = f"the weights became NaN/Inf by update {updates}"
+        else:
+            return
+        self.checkpoint.sync()
+        good = self.manager.latest_checkpoint
+        where = (f"the last good checkpoint is {os.path.basename(good)}" if good
+                 else "no checkpoint was written")
+        raise LossDiverged(f"{what}; {where} — lower --learning_rate or check the data")
+
+    def _save(self, updates: int) -> None:
+        self.check_finite()
+        try:
+            self.manager.save(checkpoint_number=updates, options=self.options)
+        except tf.errors.OpError as e:
+            # tf.data refuses to save some pipelines (a py_function: "EagerPyFunc is
+            # stateful"; symbolic checkpoints through cache()); nothing was written.
+            if not self.has_iterator:
+                raise
+            reason = e.message.split("}}")[-1].split("[Op:")[0].strip()
+            self._track(None, f"tf.data cannot save this pipeline: {reason}")
+            self.manager.save(checkpoint_number=updates, options=self.options)
+        except ValueError as e:
+            if not self.options.experimental_enable_async_checkpoint:
+                raise
+            # TF 2.21 + Keras 3: the second async save fails while copying Keras variables to
+            # the CPU ("tf.function only supports singleton tf.Variables"). Nothing was
+            # written; save synchronously from now on.
+            logging.warning("async checkpointing failed (%s); saving synchronously", e)
+            self.options = tf.train.CheckpointOptions()
+            self.manager.save(checkpoint_number=updates, options=self.options)
+        self.last_saved = updates
