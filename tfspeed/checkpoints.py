@@ -11,6 +11,7 @@ import os
 import tensorflow as tf
 from absl import logging
 
+from tfspeed.cli import storage_error
 from tfspeed.config import TrainConfig
 from tfspeed.engine import Engine
 from tfspeed.errors import UsageError
@@ -129,8 +130,8 @@ class Checkpoints:
         except tf.errors.OpError as e:
             # tf.data refuses to save some pipelines (a py_function: "EagerPyFunc is
             # stateful"; symbolic checkpoints through cache()); nothing was written.
-            if not self.has_iterator:
-                raise
+            if not self.has_iterator or storage_error(e):
+                raise  # a full or read-only disk is the user's to fix, not a pipeline limit
             reason = e.message.split("}}")[-1].split("[Op:")[0].strip()
             self._track(None, f"tf.data cannot save this pipeline: {reason}")
             self.manager.save(checkpoint_number=updates, options=self.options)

@@ -5,6 +5,7 @@ Library code never reads flags: ``to_config()`` is the only bridge.
 
 from __future__ import annotations
 
+import os
 import sys
 
 from absl import flags
@@ -31,6 +32,9 @@ _SEED = flags.DEFINE_integer("seed", 0, "Seed for shuffling, augmentation and in
 _PARSE = flags.DEFINE_enum("parse", "auto", ["auto", "batched", "single"],
                            "Parse records in batches (vectorised) or one by one.")
 _RAM_BUDGET_MB = flags.DEFINE_integer("ram_budget_mb", 0, "Cap for tf.data autotune buffers (0: TF default).")
+_ON_CORRUPT = flags.DEFINE_enum(
+    "on_corrupt", "skip", ["skip", "fail"],
+    "A damaged shard: skip (report the records lost and go on) or fail (stop).")
 _TRAIN_SPLIT = flags.DEFINE_string("train_split", "train", "Split to train on.")
 _EVAL_SPLIT = flags.DEFINE_string("eval_split", "validation", "Split to evaluate on ('' for none).")
 
@@ -83,11 +87,29 @@ _DIAGNOSE_WARMUP = flags.DEFINE_integer("diagnose_warmup", 10, "Untimed steps be
 def parse(argv: list[str]) -> list[str]:
     """Parses ``argv`` into the flags; a flag error becomes one line and exit status 2."""
     try:
+        _check_flagfile_loops(argv)
         return flags.FLAGS(argv)
     except flags.Error as e:
         message = " ".join(str(e).split())
         print(f"error: {message} (see --helpfull)", file=sys.stderr)
         sys.exit(2)
+
+
+def _check_flagfile_loops(argv: list[str], chain: tuple[str, ...] = ()) -> None:
+    """absl only warns about a flagfile that includes itself (and goes on without it)."""
+    for arg in argv:
+        if not arg.startswith("--flagfile="):
+            continue
+        path = os.path.abspath(arg.split("=", 1)[1])
+        if path in chain:
+            loop = " -> ".join(os.path.relpath(p) for p in (*chain, path))
+            raise flags.Error(f"flagfile loop {loop}: remove one of these --flagfile lines")
+        try:
+            with open(path) as f:
+                nested = [line.strip() for line in f]
+        except OSError:
+            continue  # absl reports the unreadable file itself
+        _check_flagfile_loops(nested, (*chain, path))
 
 
 def to_config() -> Config:
@@ -112,6 +134,7 @@ def to_config() -> Config:
         train_split=_TRAIN_SPLIT.value,
         eval_split=_EVAL_SPLIT.value,
         prepare_source=_PREPARE_SOURCE.value,
+        on_corrupt=_ON_CORRUPT.value,
     )
     model = ModelConfig(name=_MODEL.value, width=_WIDTH.value, dropout=_DROPOUT.value,
                         remat=_REMAT.value)

@@ -84,19 +84,28 @@ def run(config: Config) -> dict:
     Returns:
       The report dict: evaluation metrics, throughput, updates, resolved settings.
     """
+    import tensorflow as tf
+
     from tfspeed import report, trainer
+    from tfspeed.data import pipeline
 
     job = prepare(config)
     model, rt, schema, data = job.model, job.runtime, job.schema, config.data
     num_train, input_shape, prepare_seconds = job.num_train, job.input_shape, job.prepare_seconds
-    result = trainer.fit(
-        model, job.train_data, job.eval_data, config.train, rt,
-        steps_per_epoch=job.steps_per_epoch,
-        eval_steps=job.eval_steps,
-        global_batch_size=data.batch_size,
-        model_dir=config.model_dir,
-    )
-    model.save(os.path.join(config.model_dir, "model.keras"))
+    try:
+        result = trainer.fit(
+            model, job.train_data, job.eval_data, config.train, rt,
+            steps_per_epoch=job.steps_per_epoch,
+            eval_steps=job.eval_steps,
+            global_batch_size=data.batch_size,
+            model_dir=config.model_dir,
+        )
+    except tf.errors.OpError as e:
+        message = pipeline.user_error(e)  # a data problem the user must fix, said in one line
+        if message is None:
+            raise
+        raise UsageError(message.removeprefix("tfspeed: ")) from None
+    _save_model(model, os.path.join(config.model_dir, "model.keras"))
     out = {
         "eval_accuracy": result.eval_metrics.get("accuracy"),
         "eval_loss": result.eval_metrics.get("loss"),
@@ -127,6 +136,13 @@ def run(config: Config) -> dict:
         print(f"profile: tensorboard --logdir={config.model_dir}/logs (Profile tab)")
     print(f"report: {path}")
     return out
+
+
+def _save_model(model, path: str) -> None:
+    """Saves under a temporary name, then renames: a killed save never looks finished."""
+    tmp = f"{path[: -len('.keras')]}.tmp-{os.getpid()}.keras"
+    model.save(tmp)
+    os.replace(tmp, path)
 
 
 def _peak_rss_mb() -> float:

@@ -153,6 +153,17 @@ def reset_corruption_report() -> None:
         _lost.clear()
 
 
+_LABEL_PATTERN = re.compile(r"tfspeed: labels? .*?disagree")
+
+
+def user_error(error: BaseException) -> str | None:
+    """The one-line ``tfspeed: ...`` message of a data error the user must fix, or None:
+    a corrupt shard under ``on_corrupt="fail"``, or labels outside the schema's classes."""
+    text = str(getattr(error, "message", error))
+    match = _FAIL_PATTERN.search(text) or _LABEL_PATTERN.search(text)
+    return match.group(0) if match else None
+
+
 def corruption_error(error: BaseException) -> str | None:
     """The one-line ``tfspeed: shard ...`` message of an ``on_corrupt="fail"`` error, or None.
 
@@ -297,9 +308,19 @@ def _finalize(schema, config):
     else:
         batch_op = ops.make_normalize(scale=1.0)
 
+    num_classes = schema.num_classes
+    message = (f"tfspeed: labels outside the {num_classes} classes of "
+               f"{os.path.join(config.data_dir, schema_lib.SCHEMA_FILE)} (expected 0.."
+               f"{num_classes - 1}): reconvert the dataset, its records and schema disagree")
+
     def finalize(batch):
         batch = batch_op(batch)
-        return batch["inputs"], tf.cast(batch["label"], tf.int32)
+        labels = tf.cast(batch["label"], tf.int32)
+        # A label the classifier has no output for would fail deep inside the loss.
+        check = tf.debugging.assert_less(labels, num_classes, message=message)
+        with tf.control_dependencies([check, tf.debugging.assert_non_negative(
+                labels, message=message)]):
+            return tf.identity(batch["inputs"]), tf.identity(labels)
 
     return finalize
 

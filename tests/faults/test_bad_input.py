@@ -1,0 +1,120 @@
+"""Bad input everywhere: each case ends with one line naming what and how to fix, exit 2,
+and nothing written that a later run would take for finished. (README's table lists them.)"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+from absl.testing import flagsaver
+from conftest import REPO
+
+from tfspeed import flags as tfspeed_flags
+from tfspeed.errors import UsageError
+from tfspeed.train import run
+
+
+def _cli(*args, timeout=300):
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
+    return subprocess.run([sys.executable, "-m", "tfspeed.train", *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def _one_line_error(proc, *fragments):
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    for fragment in fragments:
+        assert fragment in errors[0], errors[0]
+
+
+@flagsaver.flagsaver
+def test_flagfile_loop(tmp_path, capsys):
+    (tmp_path / "a.flags").write_text(f"--flagfile={tmp_path / 'b.flags'}\n--batch_size=8\n")
+    (tmp_path / "b.flags").write_text(f"--flagfile={tmp_path / 'a.flags'}\n")
+    with pytest.raises(SystemExit) as exit_info:
+        tfspeed_flags.parse(["tfspeed.train", f"--flagfile={tmp_path / 'a.flags'}"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "flagfile loop" in err and "a.flags -> " in err
+
+
+def _copy(digits_dir, tmp_path, name="data"):
+    return shutil.copytree(digits_dir, tmp_path / name)
+
+
+def _edit_schema(data_dir, edit):
+    path = data_dir / "schema.json"
+    schema = json.loads(path.read_text())
+    edit(schema)
+    path.write_text(json.dumps(schema))
+
+
+def _config(data_dir, model_dir, *extra):
+    tfspeed_flags.parse(["tfspeed.train", f"--data_dir={data_dir}", f"--model_dir={model_dir}",
+                         "--model=mlp", "--width=8", "--train_steps=3", "--batch_size=16",
+                         "--precision=float32", *extra])
+    return tfspeed_flags.to_config()
+
+
+def test_schema_of_another_format_version(digits_dir, tmp_path):
+    data = _copy(digits_dir, tmp_path)
+    _edit_schema(data, lambda s: s.update(format_version=99))
+    proc = _cli(f"--data_dir={data}", f"--model_dir={tmp_path / 'run'}")
+    _one_line_error(proc, "schema format 99", "reconvert")
+    assert not (tmp_path / "run" / "report.json").exists()
+
+
+@flagsaver.flagsaver
+def test_labels_outside_the_class_range(digits_dir, tmp_path):
+    """The schema says 5 classes, the records hold labels up to 9."""
+    data = _copy(digits_dir, tmp_path)
+    _edit_schema(data, lambda s: s.update(class_names=s["class_names"][:5], num_classes=5))
+    with pytest.raises(UsageError, match=r"labels outside the 5 classes of .*\(expected 0..4\)"):
+        run(_config(data, tmp_path / "run"))
+    assert not (tmp_path / "run" / "report.json").exists()
+    assert not (tmp_path / "run" / "model.keras").exists()
+
+
+@flagsaver.flagsaver
+def test_empty_split(digits_dir, tmp_path):
+    data = _copy(digits_dir, tmp_path)
+    _edit_schema(data, lambda s: s["splits"]["validation"].update(shards=[], num_records=0))
+    with pytest.raises(UsageError, match="split 'validation' of .* is empty"):
+        run(_config(data, tmp_path / "run"))
+
+
+@flagsaver.flagsaver
+def test_features_that_do_not_fit_the_model(digits_dir, tmp_path):
+    with pytest.raises(UsageError, match="--model=resnet50 needs RGB images of at least 32x32"):
+        run(_config(digits_dir, tmp_path / "run", "--model=resnet50"))
+
+
+@flagsaver.flagsaver
+def test_on_corrupt_flag_reaches_the_pipeline(digits_dir, tmp_path):
+    assert _config(digits_dir, tmp_path, "--on_corrupt=fail").data.on_corrupt == "fail"
+
+
+def test_full_disk_for_model_dir(digits_dir, tmp_path):
+    """A real 300 KB tmpfs as --model_dir: the checkpoint cannot be written."""
+    mount = tmp_path / "tiny"
+    mount.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=300k", "tmpfs", str(mount)],
+                             capture_output=True).returncode == 0
+    try:
+        target = mount if mounted else tmp_path / "read_only"
+        if not mounted:  # no mount rights here: a read-only directory is the other disk error
+            target.mkdir()
+            target.chmod(0o500)
+        proc = _cli("--flagfile=pipelines/smoke.flags", f"--data_dir={digits_dir}",
+                    f"--model_dir={target / 'run'}", "--checkpoint_every=2")
+        _one_line_error(proc, "--model_dir")
+        if mounted:
+            assert "no space left on device" in proc.stderr
+            assert not (target / "run" / "report.json").exists()
+            assert not (target / "run" / "checkpoints" / "checkpoint").exists()
+    finally:
+        if mounted:
+            subprocess.run(["umount", str(mount)], check=True)
