@@ -173,7 +173,9 @@ def test_help_lists_the_flags(capsys):
 # ---------------------------------------------------------------- real interruption
 
 
-def test_sigkill_mid_run_then_rerun_equals_an_uninterrupted_run(tmp_path):
+@pytest.mark.parametrize("plan_lines", [1, 4, 300], ids=["plan-only", "few-shards", "most-shards"])
+def test_sigkill_mid_run_then_rerun_equals_an_uninterrupted_run(tmp_path, plan_lines):
+    """SIGKILL at several moments: right after the plan, after a few shards, near the end."""
     out, clean = tmp_path / "out", tmp_path / "clean"
     args = dict(shards=500, validation_fraction=0.1)
     process = _script(
@@ -181,9 +183,9 @@ def test_sigkill_mid_run_then_rerun_equals_an_uninterrupted_run(tmp_path):
     )
     plan = out / writer.PLAN_FILE
     deadline = time.monotonic() + 120
-    # Kill once the plan records a few finished shards: the run is certainly mid-way.
+    # Kill once the plan (a header line, then a line per finished shard) is that long.
     while time.monotonic() < deadline and process.poll() is None:
-        if plan.exists() and len(plan.read_text().splitlines()) > 3:
+        if plan.exists() and len(plan.read_text().splitlines()) >= plan_lines:
             break
         time.sleep(0.002)
     process.send_signal(signal.SIGKILL)
@@ -192,7 +194,7 @@ def test_sigkill_mid_run_then_rerun_equals_an_uninterrupted_run(tmp_path):
     assert not (out / "schema.json").exists()  # killed before the end
 
     resumed = convert("digits", str(out), **args)
-    assert 3 <= resumed.summary["resumed_shards"] < 500
+    assert plan_lines - 1 <= resumed.summary["resumed_shards"] < 500
     convert("digits", str(clean), **args)
     assert _snapshot(out) == _snapshot(clean)
     assert not [n for n in os.listdir(out) if ".tmp-" in n]
