@@ -73,7 +73,7 @@ class Checkpoints:
             items["iterator"] = iterator
         else:
             logging.warning("the input position is not checkpointed (%s): a resumed run "
-                            "restarts the data stream from its beginning", why)
+                            "skips to the same step of the epoch instead", why)
         self.checkpoint = tf.train.Checkpoint(**items)
         self.manager = tf.train.CheckpointManager(self.checkpoint, self.directory,
                                                   max_to_keep=self.keep)

@@ -180,6 +180,8 @@ def fit(
     iterator = iter(train_data)
     checkpoints = Checkpoints(engine, model_dir, config, iterator)
     resumed = checkpoints.restore()
+    if resumed and not checkpoints.has_iterator:
+        _fast_forward(iterator, int(engine.micro_steps.numpy()) % steps_per_epoch)
     if resumed >= total_updates:
         logging.warning("%s already holds a run trained to update %d of %d: evaluating only "
                         "(use a new --model_dir to train again)", model_dir, resumed, total_updates)
@@ -207,6 +209,18 @@ def fit(
         profile=loop.profile.summary if loop.profile else {},
         seconds={"fit": fit_seconds, "evaluate": time.perf_counter() - start},
     )
+
+
+def _fast_forward(iterator, batches: int) -> None:
+    """Without a checkpointed input position, skips to the same place in the epoch.
+
+    The epoch boundary then falls where it would have (no epoch repeated or cut short);
+    the exact records match only when the data order is deterministic.
+    """
+    if batches:
+        logging.info("resuming the data stream %d batches into its epoch", batches)
+        for _ in range(batches):
+            next(iterator)
 
 
 class _StopRequests:
