@@ -102,6 +102,10 @@ def run(config: Config) -> dict:
         )
     except tf.errors.OpError as e:
         message = pipeline.user_error(e)  # a data problem the user must fix, said in one line
+        if message is None and _PARSE_FAILURE in str(e.message):
+            message = (f"a record in {data.data_dir} has a valid checksum but does not parse as "
+                       f"this schema's tf.train.Example; repair with `python -m tfspeed.verify "
+                       f"{data.data_dir} --repair`")
         if message is None:
             raise
         raise UsageError(message.removeprefix("tfspeed: ")) from None
@@ -136,6 +140,9 @@ def run(config: Config) -> dict:
         print(f"profile: tensorboard --logdir={config.model_dir}/logs (Profile tab)")
     print(f"report: {path}")
     return out
+
+
+_PARSE_FAILURE = "Could not parse example input"
 
 
 def _save_model(model, path: str) -> None:
