@@ -122,9 +122,10 @@ def test_full_disk_for_model_dir(digits_dir, tmp_path):
 
 @flagsaver.flagsaver
 def test_a_record_with_a_valid_checksum_and_a_bad_payload(digits_dir, tmp_path):
-    """Verify finds it; training stops with one line naming the repair (TF cannot skip it
-    and count it inside the vectorised/fused parse)."""
+    """It costs that record alone: skipped and counted (or a one-line stop with fail)."""
     import tensorflow as tf
+
+    from tfspeed.data import pipeline
 
     data = _copy(digits_dir, tmp_path)
     shard = next(data.glob("train-00001-*.tfrecord"))
@@ -133,11 +134,15 @@ def test_a_record_with_a_valid_checksum_and_a_bad_payload(digits_dir, tmp_path):
     with tf.io.TFRecordWriter(str(shard)) as writer:
         for record in records:
             writer.write(record)
-    with pytest.raises(UsageError, match=r"has a valid checksum but does not parse.*--repair"):
-        run(_config(data, tmp_path / "run", "--train_steps=200"))
+    with pytest.raises(UsageError, match=rf"shard {shard} ended after {len(records) - 1} of "
+                                         rf"{len(records)} records, 1 lost.*--repair"):
+        run(_config(data, tmp_path / "fail", "--train_steps=200", "--on_corrupt=fail"))
+    pipeline.reset_corruption_report()
+    report = run(_config(data, tmp_path / "skip", "--train_steps=200", "--on_corrupt=skip"))
+    assert report["optimizer_updates"] == 200
+    assert pipeline.corruption_report()[str(shard)] >= 1  # once per epoch read
+    assert set(pipeline.corruption_report().values()) == {pipeline.corruption_report()[str(shard)]}
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
     repair = subprocess.run([sys.executable, "-m", "tfspeed.verify", str(data), "--repair"],
                             cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
-    assert "1 lost" in repair.stdout or "1 records lost" in repair.stdout, repair.stdout
-    report = run(_config(data, tmp_path / "run2", "--train_steps=200"))
-    assert report["optimizer_updates"] == 200
+    assert "1 lost" in repair.stdout, repair.stdout

@@ -101,7 +101,7 @@ def build_from_config(
         ds = ds.shuffle(len(files), seed=config.seed, reshuffle_each_iteration=True)
     # Parallel interleave: reads several shards at once, hiding per-file latency.
     ds = ds.interleave(
-        _shard_reader(config),
+        _shard_reader(config, schema.parse_spec()),
         cycle_length=min(len(files), 16),
         num_parallel_calls=AUTOTUNE,
         deterministic=deterministic,
@@ -174,7 +174,18 @@ def corruption_error(error: BaseException) -> str | None:
     return match.group(0) if match else None
 
 
-def _shard_reader(config: DataConfig):
+def _checked(record, spec):
+    """``(record, first parsed feature)``; an error if the record does not parse.
+
+    The parsed value is returned (and dropped a stage later) on purpose: Grappler prunes a
+    parse whose result is unused, even behind a control dependency, and the bad record
+    would slip through to the parse stage.
+    """
+    parsed = tf.io.parse_single_example(record, spec)
+    return record, tf.nest.flatten(parsed)[0]
+
+
+def _shard_reader(config: DataConfig, spec: dict):
     """(shard path, expected records) -> that shard's records, with lost records accounted.
 
     A damaged record makes TFRecordDataset raise, and ``ignore_errors`` then drops the
@@ -182,7 +193,7 @@ def _shard_reader(config: DataConfig):
     file with no error at all. Both are caught the same way: a sentinel after the shard's
     last record, a ``scan`` counting records, and at the sentinel a check (once per shard
     per epoch) of the count against ``schema.json``. The sentinel is filtered out here, so
-    it never reaches parsing.
+    it never reaches parsing. Records that do not parse are dropped one by one and counted.
     """
     fail = config.on_corrupt == "fail"
     repair = f"python -m tfspeed.verify {config.data_dir} --repair"
@@ -215,8 +226,11 @@ def _shard_reader(config: DataConfig):
                 return n + 1, (tf.identity(record), is_end)
 
         records = tf.data.TFRecordDataset(path).ignore_errors()
+        # A record with a valid checksum but a payload that does not parse would fail the
+        # parse stage; dropped here it costs that record alone, and the count reports it.
+        records = records.map(lambda r: _checked(r, spec)).ignore_errors()
         sentinel = tf.data.Dataset.from_tensors((tf.constant(b""), True))
-        ds = records.map(lambda r: (r, False)).concatenate(sentinel)
+        ds = records.map(lambda r, _: (r, False)).concatenate(sentinel)
         ds = ds.scan(tf.constant(0, tf.int64), count)
         return ds.filter(lambda r, is_end: tf.logical_not(is_end)).map(lambda r, _: r)
 
