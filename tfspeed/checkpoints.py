@@ -58,13 +58,16 @@ class Checkpoints:
             # MirroredStrategy's DistributedIterator (and its MultiDeviceIterator) are not
             # trackable in TF 2.21; only the default strategy's plain iterator is.
             self._track(None, f"{type(iterator).__name__} cannot be checkpointed")
+        self._set_options()
+        self.last_saved = -1
+        self._floats = [v.value for v in engine.model.variables + engine.optimizer.variables
+                        if tf.as_dtype(v.dtype).is_floating]
+
+    def _set_options(self) -> None:
         # Async: the step goes on while the checkpoint is written from a copy of the values.
         # Not with the input position in it: the iterator's state is serialised by the
         # writer thread, later than the weights were copied, so the two would disagree.
         self.options = tf.train.CheckpointOptions(enable_async=not self.has_iterator)
-        self.last_saved = -1
-        self._floats = [v.value for v in engine.model.variables + engine.optimizer.variables
-                        if tf.as_dtype(v.dtype).is_floating]
 
     def _track(self, iterator, why: str = "") -> None:
         items = {"state": _variables_module(self.engine)}
@@ -86,7 +89,15 @@ class Checkpoints:
         if not complete:
             return 0
         latest = complete[-1]
-        self.checkpoint.restore(latest).assert_existing_objects_matched()
+        try:
+            self.checkpoint.restore(latest).assert_existing_objects_matched()
+        except AssertionError:
+            if not self.has_iterator:
+                raise
+            # Written by a run that could not save its input position (another strategy, or
+            # a pipeline tf.data cannot save): restore the rest, fast-forward the input.
+            self._track(None, f"{os.path.basename(latest)} holds no input position")
+            self.checkpoint.restore(latest).assert_existing_objects_matched()
         updates = int(self.engine.optimizer.iterations.numpy())
         logging.info("resumed from %s at update %d", latest, updates)
         self.last_saved = updates
