@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import tfspeed.data
 from tfspeed import models, trainer
 from tfspeed.config import Config, DataConfig, ModelConfig, RuntimeConfig, TrainConfig
 from tfspeed.errors import UsageError
@@ -156,3 +157,29 @@ def test_negative_and_malformed_values_are_refused(digits_dir, tmp_path):
         dataclasses.replace(config, train=TrainConfig(grad_accum_steps=0)).validate()
     with pytest.raises(UsageError, match="--lr_schedule='linear'"):
         dataclasses.replace(config, train=TrainConfig(lr_schedule="linear")).validate()
+
+
+@pytest.mark.parametrize("batch", [8, 16])
+def test_mirrored_evaluation_of_an_uneven_split_equals_one_device(digits_dir, tmp_path, batch):
+    """180 validation records in per-replica batches of 4 (or 8) make an odd number of them:
+    the last step leaves replica 1 an empty batch, on which oneDNN's convolutions fail."""
+    config = _config(digits_dir, tmp_path, batch=batch, steps=2, strategy="mirrored",
+                     replicas=2, spe=1)
+    report = run(dataclasses.replace(config, model=ModelConfig(name="cnn", width=8)))
+
+    model = keras.models.load_model(tmp_path / "model.keras")
+    batches = list(tfspeed.data.build(digits_dir, "validation", 64, cache="none"))
+    logits = np.concatenate([model(x, training=False) for x, _ in batches])
+    labels = np.concatenate([y for _, y in batches])
+    assert len(labels) == 180 and -(-180 // (batch // 2)) % 2 == 1  # an odd count
+    loss = np.mean(trainer.sparse_ce_from_logits(labels, logits))
+    assert report["eval_loss"] == pytest.approx(float(loss), rel=1e-5)
+    assert report["eval_accuracy"] == pytest.approx(np.mean(logits.argmax(1) == labels))
+
+
+def test_eval_steps_caps_the_evaluated_batches(digits_dir, tmp_path):
+    report = run(_config(digits_dir, tmp_path, steps=2, eval_steps=1))
+    model = keras.models.load_model(tmp_path / "model.keras")
+    x, y = next(iter(tfspeed.data.build(digits_dir, "validation", 32, cache="none")))
+    correct = np.mean(np.argmax(model(x, training=False), 1) == y.numpy())
+    assert report["eval_accuracy"] == pytest.approx(correct)  # the first batch of 32 alone

@@ -26,15 +26,18 @@ TOLERANCE = 1e-5
 
 @pytest.fixture(scope="module")
 def four_shards(tmp_path_factory) -> str:
-    """64 records in 4 equal shards: 2 workers each read 2 whole shards (sharded by file)."""
+    """64 train records in 4 equal shards: 2 workers each read 2 whole shards (sharded by
+    file); 9 validation records in 1 shard: sharded by record, worker 0 evaluates 5 records
+    (2 batches of 4) and worker 1 only 4 (1 batch)."""
     from tfspeed.data.convert import convert
 
     rng = np.random.default_rng(3)
-    y = rng.integers(0, 3, size=64)
-    x = (rng.normal(size=(64, 6)) + y[:, None]).astype(np.float32)
+    y = rng.integers(0, 3, size=73)
+    x = (rng.normal(size=(73, 6)) + y[:, None]).astype(np.float32)
     root = tmp_path_factory.mktemp("four_shards")
     np.savez(root / "data.npz", x=x, y=y)
-    convert(f"npz:{root / 'data.npz'}", str(root / "data"), shards=4, validation_fraction=0.0)
+    convert(f"npz:{root / 'data.npz'}", str(root / "data"), shards=4,
+            validation_fraction=9 / 73)
     return str(root / "data")
 
 
@@ -60,7 +63,8 @@ def _weights(model_dir: Path) -> list[np.ndarray]:
 
 
 def test_two_workers_match_one_worker(four_shards, tmp_path):
-    common = ("--train_steps=4", "--grad_accum_steps=2", "--steps_per_execution=2", "--xla=on")
+    common = ("--train_steps=4", "--grad_accum_steps=2", "--steps_per_execution=2", "--xla=on",
+              "--eval_split=validation")
     single = subprocess.run(
         [sys.executable, "-m", "tfspeed.train",
          *_flags(four_shards, tmp_path / "one", *common), "--strategy=default"],
@@ -81,6 +85,10 @@ def test_two_workers_match_one_worker(four_shards, tmp_path):
     # ... equal to one worker training on the same global batches.
     for a, b in zip(_weights(tmp_path / "one"), _weights(tmp_path / "two"), strict=True):
         np.testing.assert_allclose(a, b, atol=TOLERANCE, rtol=0)
+    # Evaluation covered the 9 uneven validation records once, as one process does.
+    alone = json.loads((tmp_path / "one" / "report.json").read_text())
+    assert report["eval_loss"] == pytest.approx(alone["eval_loss"], abs=TOLERANCE)
+    assert report["eval_accuracy"] == pytest.approx(alone["eval_accuracy"], abs=1e-9)
     # Only the chief wrote into the run directory; the other worker's temp dir is gone.
     assert not list((tmp_path / "two").glob(".worker-*"))
     assert sorted(p.name for p in (tmp_path / "two" / "checkpoints").glob("*.index")) == [

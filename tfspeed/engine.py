@@ -214,8 +214,10 @@ class Engine:
         """Mean loss (data loss + regularisation) and accuracy over a finite distributed dataset.
 
         Args:
-            dataset: a distributed dataset of `(x, y)` batches; a last partial batch is fine.
-            steps: evaluate at most this many batches.
+            dataset: a distributed dataset of `(x, y)` batches. A last partial batch is fine,
+                also when it leaves a replica (or a worker) with no examples: that replica skips
+                the forward pass (oneDNN's convolutions fail on an empty batch).
+            steps: evaluate at most this many batches (None: the whole dataset).
 
         Returns:
             `{"loss": float, "accuracy": float}`.
@@ -409,8 +411,13 @@ class Engine:
         return self.strategy.reduce(_SUM, metrics, axis=None)
 
     def _replica_eval(self, x, y):
-        loss_sum, reg, correct, count = self._forward(x, y)
-        return tf.stack([loss_sum + reg * count, correct, count])
+        def forward():
+            loss_sum, reg, correct, count = self._forward(x, y)
+            return tf.stack([loss_sum + reg * count, correct, count])
+
+        # An uneven last batch leaves some replicas an empty one (tf.distribute splits the
+        # partial batch and pads with empty batches across workers); it adds nothing.
+        return tf.cond(tf.size(y) > 0, forward, lambda: tf.zeros([3]))
 
 
 def _check_arguments(model, optimizer, strategy, options, global_batch_size) -> None:

@@ -6,7 +6,6 @@ Kept thin on purpose: parse flags into a Config, then ``run(config)``.
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import sys
 
@@ -67,10 +66,11 @@ def prepare(config: Config) -> Job:
             lambda ctx: pipeline.build_from_config(data, split, training=training,
                                                    input_context=ctx, schema=schema))
 
-    eval_data, eval_steps = None, None
-    if data.eval_split:
-        eval_data = dataset(data.eval_split, False)
-        eval_steps = math.ceil(schema.split(data.eval_split).num_records / data.batch_size)
+    eval_data = dataset(data.eval_split, False) if data.eval_split else None
+    # The whole split unless --eval_steps caps it. Not a count computed here: with several
+    # workers one may hold a batch more than another, and tf.distribute then runs every
+    # worker until the last has no data (the others get empty batches).
+    eval_steps = config.train.eval_steps or None
     input_shape = pipeline.input_shape(schema, data)
     with strategy.scope():
         model = models.build(config.model, input_shape, schema.num_classes)
