@@ -211,11 +211,12 @@ def _fit(engine, train_data, eval_data, config, runtime, steps_per_epoch, eval_s
     checkpoints = Checkpoints(engine, model_dir, config, iterator, write_dir=write_dir,
                               asynchronous=not multi_worker)
     resumed = checkpoints.restore()
-    if resumed and not checkpoints.has_iterator:
-        _fast_forward(iterator, int(engine.micro_steps.numpy()) % steps_per_epoch)
-    if resumed >= total_updates:
+    finished = resumed >= total_updates
+    if finished:
         logging.warning("%s already holds a run trained to update %d of %d: evaluating only "
                         "(use a new --model_dir to train again)", model_dir, resumed, total_updates)
+    elif resumed and not checkpoints.has_iterator:
+        _fast_forward(iterator, int(engine.micro_steps.numpy()) % steps_per_epoch)
     loop = _Loop(engine, config, global_batch_size, write_dir, total_updates * k,
                  agree=runtime.mean_over_workers)
     start = time.perf_counter()
@@ -304,6 +305,8 @@ class _Loop:
 
     def run(self, iterator, checkpoints, stop) -> None:
         done = int(self.engine.micro_steps.numpy())  # > 0 after a resume
+        if done >= self.total_micro:
+            return  # a finished run: not one more step, not even the tuner's
         spe = self.config.steps_per_execution
         if not spe:
             spe, done = self._tune(iterator, done)
