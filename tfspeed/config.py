@@ -12,7 +12,8 @@ import json
 
 from tfspeed.errors import UsageError
 
-CACHE_MODES = ("none", "memory", "disk")
+CACHE_MODES = ("auto", "none", "memory", "disk")
+IMAGE_DTYPES = ("float32", "uint8")
 PARSE_MODES = ("auto", "batched", "single")
 ON_CORRUPT_MODES = ("skip", "fail")
 STRATEGIES = ("auto", "default", "one_device", "mirrored", "multi_worker")
@@ -27,8 +28,11 @@ class DataConfig:
       batch_size: the global batch (summed over replicas) of one step.
       image_size: resize images to this square side; 0 keeps the stored size (then all
         images must already have the same size).
-      cache: ``none``, ``memory`` (decoded records held in RAM) or ``disk`` (a cache file in
-        ``cache_dir`` whose name hashes the source and settings, so a stale one is never reused).
+      cache: ``auto``, ``none``, ``memory`` (decoded records held in RAM) or ``disk`` (a cache
+        file in ``cache_dir`` whose name hashes the source and settings, so a stale one is
+        never reused). ``auto`` estimates the cached split from ``schema.json`` and keeps it in
+        memory if it fits ``ram_budget_mb``, else on disk (none for a single pass); an
+        explicit ``memory`` that cannot fit is refused (``tfspeed.data.plan``).
       cache_dir: where ``disk`` caches go; default ``<data_dir>/cache``.
       shuffle: shuffle training data (files and records); off gives a fixed order.
       shuffle_buffer: records in the shuffle buffer (capped at the split size).
@@ -36,11 +40,14 @@ class DataConfig:
       deterministic: fixed element order even with parallel maps (slower); also implied
         by ``shuffle=False``.
       seed: seed for file/record shuffling and augmentation.
-      parse: ``batched`` parses records in batches with ``parse_example`` (vectorised),
-        ``single`` parses each record inside the decode map; ``auto`` picks batched for
-        fixed-shape features and single for encoded images (measured in
-        ``benchmarks/input_pipeline.py``).
-      ram_budget_mb: cap on the RAM tf.data's autotuner may use for buffers; 0 = TF default.
+      parse: ``batched`` parses records in groups with one ``parse_example`` (vectorised),
+        ``single`` one record at a time; ``auto`` is batched (measured faster in
+        ``benchmarks/input_pipeline.py``). A bad payload costs that record alone either way.
+      ram_budget_mb: the RAM input data may take: the memory cache (and the in-graph input)
+        must fit it, and it caps tf.data's autotuned buffers; 0 = half of the memory
+        available at start.
+      image_dtype: ``float32`` batches in [0, 1], or ``uint8`` as stored (4× fewer bytes to
+        move; the model or the training step then scales them).
       train_split / eval_split: split names.
       prepare_source: if ``data_dir`` holds no finished conversion, convert this converter
         ``--source`` into it first (the demo job uses ``digits``).
@@ -59,7 +66,7 @@ class DataConfig:
     data_dir: str
     batch_size: int = 128
     image_size: int = 0
-    cache: str = "memory"
+    cache: str = "auto"
     cache_dir: str = ""
     shuffle: bool = True
     shuffle_buffer: int = 10_000
@@ -68,6 +75,7 @@ class DataConfig:
     seed: int = 0
     parse: str = "auto"
     ram_budget_mb: int = 0
+    image_dtype: str = "float32"
     train_split: str = "train"
     eval_split: str = "validation"
     prepare_source: str = ""
@@ -86,6 +94,7 @@ class DataConfig:
         _positive("shuffle_buffer", self.shuffle_buffer)
         _choice("cache", self.cache, CACHE_MODES)
         _choice("parse", self.parse, PARSE_MODES)
+        _choice("image_dtype", self.image_dtype, IMAGE_DTYPES)
         _choice("on_corrupt", self.on_corrupt, ON_CORRUPT_MODES)
         for name in self.augment:
             _choice("augment", name, AUGMENTATIONS)

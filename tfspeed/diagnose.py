@@ -60,15 +60,15 @@ def measure(job, options: Options, out_dir: str) -> dict:
     from tfspeed.data import pipeline
 
     config, batch = job.config, job.config.data.batch_size
-    local = pipeline.build_from_config(config.data, config.data.train_split, training=True,
-                                       schema=job.schema)
+    local = pipeline.build_from_config(job.train_data_config, config.data.train_split,
+                                       training=True, schema=job.schema)
     warmup = options.warmup + min(job.steps_per_epoch, 200)  # fill an in-memory cache first
     input_alone = _time_iterator(iter(local), options.steps, warmup) * batch
     held = next(iter(local))
     synthetic = job.runtime.strategy.experimental_distribute_dataset(
         tf.data.Dataset.from_tensors(held).repeat())
     engine = trainer.make_engine(job.model, config.train, job.runtime, batch,
-                                 total_updates=10**6)
+                                 total_updates=10**6, preprocess=job.preprocess)
     compute_alone = _time_engine(engine, iter(synthetic), options) * batch
     together, wait_pct = _time_engine_with_wait(engine, iter(job.train_data), options)
     profile = _profile(engine, iter(job.train_data), options, out_dir)
@@ -81,7 +81,7 @@ def measure(job, options: Options, out_dir: str) -> dict:
         "memory": _memory(),
         "settings": {"batch_size": batch, "model": config.model.name,
                      "precision": job.runtime.precision, "xla": job.runtime.xla,
-                     "cache": config.data.cache,
+                     "cache": job.train_data_config.cache,
                      "data_service": config.data.data_service or None,
                      "steps_per_execution":
                          config.train.steps_per_execution, "steps": options.steps},
@@ -134,7 +134,7 @@ def _stage_times(job, options: Options) -> dict[str, float]:
     """Milliseconds each pipeline stage adds per batch, from pipelines cut after each stage."""
     from tfspeed.data import pipeline
 
-    config, batch = job.config.data, job.config.data.batch_size
+    config, batch = job.train_data_config, job.config.data.batch_size
     times, previous = {}, 0.0
     for stage in pipeline.STAGES:
         ds = pipeline.build_from_config(config, config.train_split, training=True,
@@ -166,7 +166,8 @@ def decide(job, figures: dict) -> dict:
     """The verdict and the next steps, from the figures (pure: no measuring here)."""
     from tfspeed import advice
 
-    return advice.decide(job.config, job.schema, job.runtime.plan, figures)
+    config = dataclasses.replace(job.config, data=job.train_data_config)  # cache resolved
+    return advice.decide(config, job.schema, job.runtime.plan, figures)
 
 
 def report_lines(result: dict) -> list[str]:

@@ -20,18 +20,24 @@ _PREPARE_SOURCE = flags.DEFINE_string(
     "scripts/to_tfrecord.py --source into it first (e.g. 'digits').")
 _BATCH_SIZE = flags.DEFINE_integer("batch_size", 128, "Global batch size of one step.")
 _IMAGE_SIZE = flags.DEFINE_integer("image_size", 0, "Resize images to this square side; 0 keeps them.")
-_CACHE = flags.DEFINE_enum("cache", "memory", ["none", "memory", "disk"],
-                           "Cache decoded records: in RAM, in a file under --cache_dir, or not.")
+_CACHE = flags.DEFINE_enum(
+    "cache", "auto", ["auto", "none", "memory", "disk"],
+    "Cache decoded records: in RAM, in a file under --cache_dir, or not; auto: in RAM if the "
+    "split fits --ram_budget_mb, else on disk (none when read once).")
 _CACHE_DIR = flags.DEFINE_string("cache_dir", "", "Directory for --cache=disk (default DATA_DIR/cache).")
 _SHUFFLE = flags.DEFINE_boolean("shuffle", True, "Shuffle training files and records.")
 _SHUFFLE_BUFFER = flags.DEFINE_integer("shuffle_buffer", 10_000, "Records in the shuffle buffer.")
-_AUGMENT = flags.DEFINE_list("augment", [], "Training augmentations: flip, crop.")
+_AUGMENT = flags.DEFINE_list(
+    "augment", [], "Training augmentations: flip, crop, random_resized_crop (decodes only the "
+    "crop of a JPEG; needs --image_size).")
 _DETERMINISTIC = flags.DEFINE_boolean(
     "deterministic", False, "Fixed element order and seeded everything (slower input).")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed for shuffling, augmentation and initialisation.")
 _PARSE = flags.DEFINE_enum("parse", "auto", ["auto", "batched", "single"],
                            "Parse records in batches (vectorised) or one by one.")
-_RAM_BUDGET_MB = flags.DEFINE_integer("ram_budget_mb", 0, "Cap for tf.data autotune buffers (0: TF default).")
+_RAM_BUDGET_MB = flags.DEFINE_integer(
+    "ram_budget_mb", 0, "RAM the input data may take (memory cache, in-graph input, tf.data "
+    "buffers); 0: half of the memory available at start.")
 _ON_CORRUPT = flags.DEFINE_enum(
     "on_corrupt", "skip", ["skip", "fail"],
     "A damaged shard: skip (report the records lost and go on) or fail (stop).")

@@ -131,8 +131,10 @@ def sparse_ce_from_logits(labels, logits):
 
 
 def make_engine(model: keras.Model, config: TrainConfig, runtime: Runtime,
-                global_batch_size: int, total_updates: int) -> Engine:
-    """The engine that runs the training step: optimizer, accumulation, XLA, loss scaling."""
+                global_batch_size: int, total_updates: int, preprocess=None) -> Engine:
+    """The engine that runs the training step: optimizer, accumulation, XLA, loss scaling.
+
+    ``preprocess`` runs on the inputs inside the compiled step (see ``Engine``)."""
     with runtime.strategy.scope():
         optimizer = make_optimizer(config, total_updates, global_batch_size)
         return Engine(
@@ -140,7 +142,7 @@ def make_engine(model: keras.Model, config: TrainConfig, runtime: Runtime,
             EngineOptions(grad_accum_steps=config.grad_accum_steps,
                           steps_per_execution=config.steps_per_execution or 1,
                           xla=runtime.xla, loss_scale=runtime.plan.loss_scale),
-            global_batch_size=global_batch_size,
+            global_batch_size=global_batch_size, preprocess=preprocess,
         )
 
 
@@ -155,6 +157,7 @@ def fit(
     eval_steps: int | None,
     global_batch_size: int,
     model_dir: str,
+    preprocess=None,
 ) -> FitResult:
     """Trains ``model`` on ``train_data`` and evaluates it on ``eval_data``.
 
@@ -168,6 +171,7 @@ def fit(
       eval_steps: batches in ``eval_data``.
       global_batch_size: examples in one micro-batch, over all replicas.
       model_dir: checkpoints and TensorBoard logs go below it.
+      preprocess: ``x -> x`` on each batch's inputs inside the compiled step.
 
     Returns:
       A ``FitResult``.
@@ -178,7 +182,7 @@ def fit(
         raise UsageError(f"one update needs --batch_size x --grad_accum_steps = "
                          f"{global_batch_size * k} examples, more than the train split holds; "
                          "lower them")
-    engine = make_engine(model, config, runtime, global_batch_size, total_updates)
+    engine = make_engine(model, config, runtime, global_batch_size, total_updates, preprocess)
     with _worker_dir(model_dir, runtime) as write_dir:
         return _fit(engine, train_data, eval_data, config, runtime, steps_per_epoch,
                     eval_steps, global_batch_size, model_dir, write_dir, total_updates)

@@ -15,7 +15,7 @@ from tfspeed.config import DataConfig
 from tfspeed.data import schema as schema_lib
 from tfspeed.errors import UsageError
 
-CACHE_FORMAT = 1  # bump when what a cache holds changes
+CACHE_FORMAT = 2  # bump when what a cache holds changes (2: int32 labels, standardised features)
 
 
 def cache_path(config: DataConfig, schema, split: str, num_pipelines=1, pipeline_id=0) -> str:
@@ -31,6 +31,8 @@ def cache_path(config: DataConfig, schema, split: str, num_pipelines=1, pipeline
         "shards": [dataclasses.asdict(s) for s in schema.split(split).shards],
         "feature": schema.input_feature.to_json(),
         "image_size": config.image_size,
+        # A decoding augmentation (random_resized_crop) caches the encoded images instead.
+        "encoded": any(a == "random_resized_crop" for a in config.augment),
         "pipelines": [num_pipelines, pipeline_id],
     }
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
@@ -38,11 +40,13 @@ def cache_path(config: DataConfig, schema, split: str, num_pipelines=1, pipeline
     return os.path.join(cache_dir, f"{split}-{digest}")
 
 
-def apply(ds, schema, config, split, num_pipelines, pipeline_id):
-    """``ds.cache(...)`` as ``config.cache`` says (memory, a disk file, or not at all)."""
-    if config.cache == "none":
+def apply(ds, schema, config, split, num_pipelines, pipeline_id, mode=None):
+    """``ds.cache(...)`` as ``mode`` (default ``config.cache``) says: memory, a disk file, or
+    not at all."""
+    mode = mode or config.cache
+    if mode == "none":
         return ds
-    if config.cache == "memory":
+    if mode == "memory":
         return ds.cache()
     path = cache_path(config, schema, split, num_pipelines, pipeline_id)
     try:

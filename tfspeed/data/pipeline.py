@@ -2,19 +2,23 @@
 
 The order is the one the TF performance guide and big_vision settle on; each step says why
 it sits where it does. Everything depends on the schema the converter wrote, never on
-guessing the records' layout.
+guessing the records' layout. Per-record work is kept to one function call (the decode,
+fused with the augmentations when nothing is cached in between): on this machine each
+per-record ``map`` costs ~40 µs, a third of a small photo's decode.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import tensorflow as tf
 
 from tfspeed.config import DataConfig
-from tfspeed.data import cache, ops
+from tfspeed.data import cache, ops, plan
 from tfspeed.data import schema as schema_lib
 from tfspeed.data.cache import cache_path  # noqa: F401 -- part of this module's API
+from tfspeed.data.plan import CachePlan, plan_cache  # noqa: F401 -- part of this module's API
 from tfspeed.data.reader import (  # noqa: F401 -- part of this module's API
     corruption_error,
     corruption_report,
@@ -27,7 +31,6 @@ from tfspeed.errors import UsageError
 AUTOTUNE = tf.data.AUTOTUNE
 # Stages a pipeline can be cut after (``until=``), in pipeline order; "batch" is the whole.
 STAGES = ("read", "decode", "cache", "augment", "batch")
-_PARSE_BATCH = 256  # records per vectorised parse_example call
 SERVICE_TRANSFER_BATCH = 64  # records per tf.data service transfer
 
 
@@ -48,10 +51,13 @@ def build(
       batch_size: global batch size (per-replica batches are derived from ``input_context``).
       training: shuffle, augment, repeat forever and drop the last partial batch.
       input_context: from ``strategy.distribute_datasets_from_function``; shards the input.
-      **options: any other ``DataConfig`` field (``image_size``, ``cache``, ``augment``, ...).
+      **options: any other ``DataConfig`` field (``image_size``, ``cache``, ``augment``,
+        ``image_dtype``, ...).
 
     Returns:
-      A dataset of ``(inputs, labels)`` batches.
+      A dataset of ``(inputs, labels)`` batches: images as float32 in [0, 1] (or uint8 with
+      ``image_dtype="uint8"``, leaving the scaling to the model), tabular features
+      standardised with the train split's statistics, labels int32.
     """
     config = DataConfig(data_dir=data_dir, batch_size=batch_size, **options).validate()
     return build_from_config(config, split, training=training, input_context=input_context)
@@ -77,58 +83,61 @@ def build_from_config(
     num_records = schema.split(split).num_records
     if num_records == 0:
         raise UsageError(f"split {split!r} of {config.data_dir} is empty; reconvert with more data")
+    _check_input_fits(schema, config)
     shuffle = training and config.shuffle
     deterministic = config.deterministic or not shuffle
-    batch_size = config.batch_size
-    num_pipelines, pipeline_id = 1, 0
+    batch_size, num_pipelines, pipeline_id = config.batch_size, 1, 0
     if input_context is not None:
         batch_size = input_context.get_per_replica_batch_size(config.batch_size)
-        num_pipelines, pipeline_id = (
-            input_context.num_input_pipelines,
-            input_context.input_pipeline_id,
-        )
-    _check_input_fits(schema, config)
+        num_pipelines, pipeline_id = (input_context.num_input_pipelines,
+                                      input_context.input_pipeline_id)
+    steps = plan.plan_steps(config, schema, split, training)
 
     if config.data_service and training and until is None:
-        return _through_service(config, schema, split, batch_size, shuffle, deterministic,
-                                num_pipelines, pipeline_id)
-    ds = _records(config, schema, split, num_pipelines, pipeline_id, shuffle, deterministic)
+        return _through_service(config, schema, split, steps, batch_size, shuffle,
+                                deterministic, num_pipelines, pipeline_id)
+    ds = _records(config, schema, split, num_pipelines, pipeline_id, shuffle, deterministic,
+                  parse=until != "read")
     if until == "read":
         return ds
-    ds = _parse_and_decode(ds, schema, config, deterministic)
+    if steps.decode_before_cache:
+        # Deterministic work goes before the cache: decoding is paid once.
+        ds = ds.map(steps.decode, num_parallel_calls=AUTOTUNE, deterministic=deterministic)
     if until == "decode":
-        return ds
-    # Cache after the deterministic decode: decoding is paid once, augmentation stays random.
-    ds = cache.apply(ds, schema, config, split, num_pipelines, pipeline_id)
+        return _decoded(ds, steps, deterministic)
+    ds = cache.apply(ds, schema, config, split, num_pipelines, pipeline_id, steps.cache.mode)
     if until == "cache":
         return ds
     if shuffle:
-        buffer = min(config.shuffle_buffer, num_records)
-        ds = ds.shuffle(buffer, seed=config.seed, reshuffle_each_iteration=True)
+        ds = ds.shuffle(steps.shuffle_buffer, seed=config.seed, reshuffle_each_iteration=True)
     if training:
         ds = ds.repeat()  # before batch: batches span epoch ends, no short batch mid-run
-        ds = _augment(ds, config, deterministic)
+    ds = _after_cache(ds, config, steps, training, deterministic)
     if until == "augment":
         return ds
-    return _batched(ds, schema, config, batch_size, training, deterministic)
+    return _batched(ds, config, steps, batch_size, training, deterministic)
+
+
+def _map(ds, fn, deterministic):
+    return ds.map(fn, num_parallel_calls=AUTOTUNE, deterministic=deterministic)
 
 
 def _records(config, schema, split, num_pipelines, pipeline_id, shuffle, deterministic,
-             remote=False):
-    """The read stage: shard files -> their serialized records, losses accounted."""
+             parse=True, remote=False):
+    """The read stage: shard files -> their records, parsed in groups, losses accounted."""
     files, expected = _files(schema, config, split, num_pipelines, pipeline_id)
     shard_by_file = len(files) < len(schema.split(split).shards)
     ds = tf.data.Dataset.from_tensor_slices((files, expected))
     if shuffle:
         # File order first: cheap, and it decorrelates records the converter put in one shard.
         ds = ds.shuffle(len(files), seed=config.seed, reshuffle_each_iteration=True)
+    parse_group, parse_one = ops.make_group_parser(schema) if parse else (None, None)
+    check = ops.make_label_check(schema.num_classes, _label_message(schema, config))
+    reader = shard_reader(config, parse_group, parse_one, check=check if parse else None,
+                          remote=remote, per_record=config.parse == "single")
     # Parallel interleave: reads several shards at once, hiding per-file latency.
-    ds = ds.interleave(
-        shard_reader(config, schema.parse_spec(), remote=remote),
-        cycle_length=min(len(files), 16),
-        num_parallel_calls=AUTOTUNE,
-        deterministic=deterministic,
-    )
+    ds = ds.interleave(reader, cycle_length=min(len(files), 16), num_parallel_calls=AUTOTUNE,
+                       deterministic=deterministic)
     if num_pipelines > 1 and not shard_by_file:
         ds = ds.shard(num_pipelines, pipeline_id)  # fewer files than pipelines: shard records
     return ds
@@ -158,17 +167,49 @@ def sharding(num_files: int, num_pipelines: int) -> str:
             "reads every file and keeps every n-th record)")
 
 
-def _batched(ds, schema, config, batch_size, training, deterministic):
+def _after_cache(ds, config, steps, training, deterministic, remote=False):
+    """What runs per element after the cache: decoding if it was not cached decoded, and
+    the random augmentations, fused into one map (one function call per record)."""
+    augment = steps.augment if training else None
+    if augment is None:
+        return _decoded(ds, steps, deterministic)
+    decode = None if steps.decode_before_cache else steps.decode
+    # Stateless randomness keyed by (seed, element index): reproducible under parallel maps.
+    # On service workers the index restarts with every epoch (a job) and on every worker,
+    # so the key there takes a fresh random draw instead of the seed: the same record gets
+    # different augmentations in different epochs (the service's order is not reproducible
+    # anyway).
+    def key(i):
+        if remote:
+            return tf.stack([tf.random.uniform([], maxval=2**62, dtype=tf.int64), i])
+        return tf.stack([tf.cast(config.seed, tf.int64), i])
+
+    def apply(i, element):
+        if decode is not None:
+            element = decode(element)
+        return augment(element, key(i))
+
+    return ds.enumerate().map(apply, num_parallel_calls=AUTOTUNE, deterministic=deterministic)
+
+
+def _decoded(ds, steps, deterministic):
+    """``ds`` decoded, if its decoding did not already run before the cache."""
+    if steps.decode is None or steps.decode_before_cache:
+        return ds
+    return _map(ds, steps.decode, deterministic)
+
+
+def _batched(ds, config, steps, batch_size, training, deterministic):
     """Batch, batch-level ops and prefetch: always in the training process."""
     # drop_remainder for training: static batch shapes (XLA, replicas) and equal-sized steps.
     ds = ds.batch(batch_size, drop_remainder=training, num_parallel_calls=AUTOTUNE,
                   deterministic=deterministic)
-    ds = ds.map(_finalize(schema, config), num_parallel_calls=AUTOTUNE, deterministic=deterministic)
+    ds = ds.map(_finalize(steps), num_parallel_calls=AUTOTUNE, deterministic=deterministic)
     ds = ds.prefetch(AUTOTUNE)  # overlap the producer with the training step
     return ds.with_options(_options(config, deterministic))
 
 
-def _through_service(config, schema, split, batch_size, shuffle, deterministic,
+def _through_service(config, schema, split, steps, batch_size, shuffle, deterministic,
                      num_pipelines=1, pipeline_id=0):
     """Training input with read -> parse -> decode -> shuffle -> augment on tf.data service
     workers, and count -> repeat -> batch -> finalize -> prefetch here.
@@ -179,7 +220,7 @@ def _through_service(config, schema, split, batch_size, shuffle, deterministic,
     delivers a record at most once, so what is missing at the end of an epoch was lost with
     a worker. Each remote epoch is finite; ``repeat`` asks the service for the next one.
     ``cache`` is not applied: a worker sees only part of an epoch (a cache would hold that
-    part) and each epoch is a new job.
+    part) and each epoch is a new job. Images travel as uint8 (4× fewer bytes than float).
     """
     from tfspeed.data import service
 
@@ -191,13 +232,15 @@ def _through_service(config, schema, split, batch_size, shuffle, deterministic,
             f"--shards={num_pipelines} or more")
     # Each training worker has its own jobs over its own files: every record once per epoch
     # over all workers, and each worker can count what it should have received.
+    remote_steps = dataclasses.replace(steps, decode=steps.decode_uint8,
+                                       augment=steps.augment_uint8)
     ds = _records(config, schema, split, num_pipelines, pipeline_id, shuffle, deterministic,
                   remote=True)
-    ds = _parse_and_decode(ds, schema, config, deterministic)
+    if remote_steps.decode_before_cache:
+        ds = _map(ds, remote_steps.decode, deterministic)
     if shuffle:
-        buffer = min(config.shuffle_buffer, sum(counts))
-        ds = ds.shuffle(buffer, seed=config.seed, reshuffle_each_iteration=True)
-    ds = _augment(ds, config, deterministic, remote=True)
+        ds = ds.shuffle(steps.shuffle_buffer, seed=config.seed, reshuffle_each_iteration=True)
+    ds = _after_cache(ds, config, remote_steps, True, deterministic, remote=True)
     # Records travel in groups: one RPC per record caps a worker at ~3,000 records/s here,
     # groups of 64 move ~30,000/s (benchmarks/scaling.py; measured on the digits).
     ds = ds.batch(SERVICE_TRANSFER_BATCH)
@@ -205,7 +248,7 @@ def _through_service(config, schema, split, batch_size, shuffle, deterministic,
     expected = sum(counts)
 
     def epoch(_):
-        return _count_epoch(remote.unbatch(), split, expected, config)
+        return _count_epoch(remote, split, expected, config).unbatch()
 
     # Two epochs in flight: the service tells a consumer that an epoch (a job) has ended
     # only at its next heartbeat, ~1 s after the last record; meanwhile the next epoch's
@@ -215,11 +258,12 @@ def _through_service(config, schema, split, batch_size, shuffle, deterministic,
     ds = tf.data.Dataset.range(2**62).interleave(
         epoch, cycle_length=in_flight, block_length=1, num_parallel_calls=in_flight,
         deterministic=deterministic)
-    return _batched(ds, schema, config, batch_size, True, deterministic)
+    return _batched(ds, config, steps, batch_size, True, deterministic)
 
 
-def _count_epoch(ds, split, expected, config):
-    """Passes ``ds`` through, and at its end tells ``service.record_epoch`` how many came."""
+def _count_epoch(groups, split, expected, config):
+    """Passes an epoch's groups through, and at its end tells ``service.record_epoch`` how
+    many records came (counted per group: the per-record cost stays off the hot path)."""
     from tfspeed.data import service
 
     def account(delivered):
@@ -227,19 +271,17 @@ def _count_epoch(ds, split, expected, config):
                              config.data_service)
         return True
 
-    def count(n, element):
-        element, is_end = element
-        done = tf.cond(is_end, lambda: tf.py_function(account, [n], tf.bool),
+    def count(n, group):
+        size = tf.cast(tf.shape(group["label"])[0], tf.int64)
+        done = tf.cond(size == 0, lambda: tf.py_function(account, [n], tf.bool),
                        lambda: tf.constant(True))
         with tf.control_dependencies([done]):
-            return n + 1, (tf.nest.map_structure(tf.identity, element), is_end)
+            return n + size, tf.nest.map_structure(tf.identity, group)
 
-    sentinel = tf.nest.map_structure(
-        lambda spec: tf.zeros([d or 0 for d in spec.shape], spec.dtype), ds.element_spec)
-    ds = ds.map(lambda e: (e, False)).concatenate(
-        tf.data.Dataset.from_tensors((sentinel, True)))
-    ds = ds.scan(tf.constant(0, tf.int64), count)
-    return ds.filter(lambda e, is_end: tf.logical_not(is_end)).map(lambda e, _: e)
+    end = tf.nest.map_structure(lambda s: tf.zeros([0, *s.shape[1:]], s.dtype),
+                                groups.element_spec)
+    groups = groups.concatenate(tf.data.Dataset.from_tensors(end))
+    return groups.scan(tf.constant(0, tf.int64), count)
 
 
 def input_shape(schema: schema_lib.Schema, config: DataConfig) -> tuple[int, ...]:
@@ -255,98 +297,30 @@ def _check_input_fits(schema: schema_lib.Schema, config: DataConfig) -> None:
     if feature.is_image and None in feature.shape[:2] and not config.image_size:
         raise UsageError(
             f"images in {config.data_dir} have varying sizes; pass --image_size=N to resize them "
-            "(or reconvert with --image_max_side)"
+            "(or reconvert with --image_size or --image_max_side)"
         )
+    if "random_resized_crop" in config.augment and not (feature.is_image or
+                                                         feature.encoding == "raw"):
+        raise UsageError("--augment=random_resized_crop needs image inputs; drop it")
+    if "random_resized_crop" in config.augment and not config.image_size:
+        raise UsageError("--augment=random_resized_crop resizes its crop to --image_size: "
+                         "pass --image_size=N")
 
 
-def _parse_and_decode(ds, schema, config, deterministic):
-    """Parses records into {"inputs", "label"} and runs the deterministic ops."""
-    spec = schema.parse_spec()
-    feature = schema.input_feature
-    decode_ops = [ops.make_decode(feature)]
-    if feature.is_image and config.image_size and feature.shape[:2] != (
-        config.image_size,
-        config.image_size,
-    ):
-        decode_ops.append(ops.make_resize(config.image_size))
-    decode = ops.compose(decode_ops)
-
-    def select(parsed):
-        return {"inputs": parsed[schema.inputs], "label": parsed[schema.label]}
-
-    mode = config.parse
-    if mode == "auto":
-        mode = "single" if feature.is_image else "batched"
-    if mode == "batched" and not feature.is_image:
-        # Vectorised: one parse_example per 256 records; decode_raw also runs batched.
-        ds = ds.batch(_PARSE_BATCH)
-        ds = ds.map(
-            lambda r: decode(select(tf.io.parse_example(r, spec))),
-            num_parallel_calls=AUTOTUNE,
-            deterministic=deterministic,
-        )
-        return ds.unbatch()
-    if mode == "batched":
-        # Images: parse vectorised, then decode one image at a time (decoders are per image).
-        ds = ds.batch(_PARSE_BATCH).map(
-            lambda r: select(tf.io.parse_example(r, spec)),
-            num_parallel_calls=AUTOTUNE,
-            deterministic=deterministic,
-        )
-        ds = ds.unbatch()
-        return ds.map(decode, num_parallel_calls=AUTOTUNE, deterministic=deterministic)
-    return ds.map(
-        lambda r: decode(select(tf.io.parse_single_example(r, spec))),
-        num_parallel_calls=AUTOTUNE,
-        deterministic=deterministic,
-    )
-
-
-def _augment(ds, config, deterministic, remote=False):
-    if not config.augment:
-        return ds
-    table = ops.OPS
-    augment = ops.compose_random([table[name][1]() for name in config.augment])
-    # Stateless randomness keyed by (seed, element index): reproducible under parallel maps.
-    # On service workers the index restarts with every epoch (a job) and on every worker,
-    # so the key there takes a fresh random draw instead of the seed: the same record gets
-    # different augmentations in different epochs (the service's order is not reproducible
-    # anyway).
-    ds = ds.enumerate()
-
-    def key(i):
-        if remote:
-            return tf.stack([tf.random.uniform([], maxval=2**62, dtype=tf.int64), i])
-        return tf.stack([tf.cast(config.seed, tf.int64), i])
-
-    return ds.map(lambda i, e: augment(e, key(i)), num_parallel_calls=AUTOTUNE,
-                  deterministic=deterministic)
-
-
-def _finalize(schema, config):
-    """Batch-level ops (cheaper than per element), then the (inputs, labels) tuple Keras takes."""
-    feature = schema.input_feature
-    stats = schema.stats.get(schema.inputs)
-    if feature.dtype == "uint8":
-        batch_op = ops.make_normalize()
-    elif stats:
-        batch_op = ops.make_standardize(stats["mean"], stats["std"])
-    else:
-        batch_op = ops.make_normalize(scale=1.0)
-
+def _label_message(schema, config) -> str:
     num_classes = schema.num_classes
-    message = (f"tfspeed: labels outside the {num_classes} classes of "
-               f"{os.path.join(config.data_dir, schema_lib.SCHEMA_FILE)} (expected 0.."
-               f"{num_classes - 1}): reconvert the dataset, its records and schema disagree")
+    return (f"tfspeed: labels outside the {num_classes} classes of "
+            f"{os.path.join(config.data_dir, schema_lib.SCHEMA_FILE)} (expected 0.."
+            f"{num_classes - 1}): reconvert the dataset, its records and schema disagree")
+
+
+def _finalize(steps):
+    """Batch-level ops (cheaper than per element), then the (inputs, labels) tuple Keras takes."""
 
     def finalize(batch):
-        batch = batch_op(batch)
-        labels = tf.cast(batch["label"], tf.int32)
-        # A label the classifier has no output for would fail deep inside the loss.
-        check = tf.debugging.assert_less(labels, num_classes, message=message)
-        with tf.control_dependencies([check, tf.debugging.assert_non_negative(
-                labels, message=message)]):
-            return tf.identity(batch["inputs"]), tf.identity(labels)
+        if steps.normalize:
+            batch = ops.make_normalize()(batch)
+        return batch["inputs"], batch["label"]
 
     return finalize
 
