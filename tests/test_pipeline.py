@@ -1,5 +1,6 @@
 """The pipeline builder on datasets written by the real converter."""
 
+import dataclasses
 import glob
 import os
 import subprocess
@@ -161,3 +162,58 @@ def test_bad_settings_are_one_line_usage_errors(digits_dir, tmp_path):
         tfspeed.data.build(digits_dir, "test", 8)
     with pytest.raises(UsageError, match="schema.json not found"):
         tfspeed.data.build(str(tmp_path), "train", 8)
+
+
+def test_cache_auto_fits_the_split_to_the_ram_budget(digits_dir):
+    """The digits' train split cached takes ~0.5 MB (1617 records of 8x8 uint8 + overhead)."""
+    from tfspeed.data import plan
+
+    schema = schema_lib.read(digits_dir)
+
+    def choose(budget_mb, cache="auto", training=True, passes=None):
+        config = DataConfig(data_dir=digits_dir, cache=cache, ram_budget_mb=budget_mb)
+        return plan.plan_cache(config, schema, "train", training, passes)
+
+    roomy = choose(64)
+    assert roomy.mode == "memory" and 0.4 < roomy.estimate_mb < 0.6
+    assert roomy.reason.startswith("auto: 'train' cached takes ~0 MB, the budget is 64 MB")
+    assert choose(1).mode == "memory" and choose(0).budget_mb > 1000  # half of what is free
+    tight = DataConfig(data_dir=digits_dir, ram_budget_mb=1, image_size=64)  # ~7 MB at 64x64
+    assert plan.plan_cache(tight, schema, "train", True).mode == "disk"
+    assert plan.plan_cache(tight, schema, "train", True, passes=1).mode == "none"
+    assert choose(64, training=False).mode == "none"  # an eval split is read once
+    with pytest.raises(UsageError, match=r"--cache=memory cannot hold the data: 'train' "
+                                         r"cached takes ~7 MB, the budget is 1 MB.*--cache=disk"):
+        plan.plan_cache(dataclasses.replace(tight, cache="memory"), schema, "train", True)
+    # An explicit mode that fits is kept as given.
+    assert choose(64, cache="disk").mode == "disk" and choose(64, cache="none").mode == "none"
+
+
+def test_uint8_batches_are_the_float_batches_times_255(digits_dir, photos_dir):
+    for data_dir, options in ((digits_dir, {}), (photos_dir, {"image_size": 12})):
+        floats = _all(tfspeed.data.build(data_dir, "validation", 16, **options))
+        uint8 = _all(tfspeed.data.build(data_dir, "validation", 16, image_dtype="uint8",
+                                        **options))
+        assert uint8[0].dtype == np.uint8 and floats[0].dtype == np.float32
+        np.testing.assert_allclose(uint8[0] / 255, floats[0], atol=0.5 / 255 + 1e-6)
+        np.testing.assert_array_equal(uint8[1], floats[1])
+
+
+def test_cold_and_cached_pipelines_give_the_same_pixels(photos_dir, tmp_path):
+    """No cache keeps float32 from the resize; a cache stores uint8: within rounding."""
+    options = dict(image_size=12, deterministic=True, shuffle=False)
+    cold = _all(tfspeed.data.build(photos_dir, "train", 8, cache="none", **options))
+    cached = _all(tfspeed.data.build(photos_dir, "train", 8, cache="memory", **options))
+    np.testing.assert_allclose(cold[0], cached[0], atol=0.5 / 255 + 1e-6)
+    np.testing.assert_array_equal(cold[1], cached[1])
+
+
+def test_random_resized_crop_trains_from_encoded_images(photos_dir):
+    ds = tfspeed.data.build(photos_dir, "train", 4, training=True, image_size=16,
+                            augment=("random_resized_crop", "flip"), cache="memory", seed=1)
+    x, y = next(iter(ds))
+    assert x.shape == (4, 16, 16, 3) and 0 <= float(tf.reduce_min(x)) <= float(
+        tf.reduce_max(x)) <= 1
+    with pytest.raises(UsageError, match="random_resized_crop resizes its crop to --image_size"):
+        tfspeed.data.build(photos_dir, "train", 4, training=True,
+                           augment=("random_resized_crop",))

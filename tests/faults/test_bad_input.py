@@ -146,3 +146,18 @@ def test_a_record_with_a_valid_checksum_and_a_bad_payload(digits_dir, tmp_path):
     repair = subprocess.run([sys.executable, "-m", "tfspeed.verify", str(data), "--repair"],
                             cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert "1 lost" in repair.stdout, repair.stdout
+
+
+@flagsaver.flagsaver
+def test_a_memory_cache_that_cannot_fit_is_one_line(digits_dir, tmp_path):
+    """At 64x64 the digits' train split takes ~7 MB cached: over a 1 MB budget."""
+    with pytest.raises(UsageError, match=r"--cache=memory cannot hold the data: 'train' cached "
+                                         r"takes ~7 MB, the budget is 1 MB.*use --cache=disk"):
+        run(_config(digits_dir, tmp_path, "--cache=memory", "--ram_budget_mb=1",
+                    "--image_size=64"))
+    # Two passes over the split (200 steps of 16): auto caches it on disk instead.
+    report = run(_config(digits_dir, tmp_path / "auto", "--cache=auto", "--ram_budget_mb=1",
+                         "--image_size=64", "--train_steps=200", f"--cache_dir={tmp_path}"))
+    assert report["input"]["cache"]["train"]["mode"] == "disk"
+    assert report["input"]["cache"]["train"]["reason"].startswith("auto: 'train' cached takes")
+    assert report["input"]["cache"]["validation"]["mode"] == "none"  # evaluated once

@@ -294,17 +294,17 @@ def input_shape(schema: schema_lib.Schema, config: DataConfig) -> tuple[int, ...
 
 def _check_input_fits(schema: schema_lib.Schema, config: DataConfig) -> None:
     feature = schema.input_feature
+    if "random_resized_crop" in config.augment:
+        if feature.dtype != "uint8" or len(feature.shape) != 3:
+            raise UsageError("--augment=random_resized_crop needs image inputs; drop it")
+        if not config.image_size:
+            raise UsageError("--augment=random_resized_crop resizes its crop to --image_size: "
+                             "pass --image_size=N")
     if feature.is_image and None in feature.shape[:2] and not config.image_size:
         raise UsageError(
             f"images in {config.data_dir} have varying sizes; pass --image_size=N to resize them "
             "(or reconvert with --image_size or --image_max_side)"
         )
-    if "random_resized_crop" in config.augment and not (feature.is_image or
-                                                         feature.encoding == "raw"):
-        raise UsageError("--augment=random_resized_crop needs image inputs; drop it")
-    if "random_resized_crop" in config.augment and not config.image_size:
-        raise UsageError("--augment=random_resized_crop resizes its crop to --image_size: "
-                         "pass --image_size=N")
 
 
 def _label_message(schema, config) -> str:
