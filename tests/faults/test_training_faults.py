@@ -19,7 +19,9 @@ import pytest
 import tensorflow as tf
 
 from tests.conftest import REPO
+from tfspeed import diagnose
 from tfspeed.config import Config, DataConfig, ModelConfig, RuntimeConfig, TrainConfig
+from tfspeed.errors import UsageError
 from tfspeed.train import run
 from tfspeed.trainer import LossDiverged
 
@@ -58,6 +60,14 @@ def _wait_for_checkpoint(process, model_dir: Path, at_least: int, timeout=60) ->
         assert process.poll() is None, f"the run ended before ckpt-{at_least}: {_finish(process)}"
         time.sleep(0.005)
     raise AssertionError(f"no ckpt-{at_least} after {timeout} s")
+
+
+def _wait_until(process, condition, timeout=60) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert process.poll() is None, f"the run ended: {_finish(process)}"
+        assert time.monotonic() < deadline, f"still waiting after {timeout} s"
+        time.sleep(0.005)
 
 
 def _weights(model_dir: Path) -> list[np.ndarray]:
@@ -116,6 +126,43 @@ def test_sigterm_saves_a_final_checkpoint_and_the_rerun_finishes(digits_dir, tmp
     report = _report(tmp_path)
     assert report["resumed_from_update"] == update
     assert report["optimizer_updates"] == report["micro_steps"] == steps
+
+
+def test_a_second_run_on_a_busy_model_dir_stops_and_a_dead_owner_never_blocks(digits_dir,
+                                                                              tmp_path):
+    """A scheduler restarts a job whose old process still runs: the new run (or a diagnosis)
+    on the same --model_dir stops at once, naming the old one. Once the old one is SIGKILLed
+    its lock is gone, and the directory resumes as before."""
+    first = _start(_command(digits_dir, tmp_path, 10**6, every=50))  # runs until killed
+    second = None
+    try:
+        _wait_until(first, lambda: (tmp_path / ".tfspeed-lock").exists()
+                    or (tmp_path / "checkpoints").exists())  # the old code has no lock file
+        second = _start(_command(digits_dir, tmp_path, 10**6, every=50))
+        # The state file lists a checkpoint once one is complete: the rerun has one to resume.
+        _wait_until(first, lambda: (tmp_path / "checkpoints" / "checkpoint").exists())
+        first.send_signal(signal.SIGSTOP)  # a hung process holds its lock too; frees the CPU
+        with pytest.raises(UsageError) as caught:  # meanwhile, here: a diagnosis of that run
+            diagnose.run(_config(digits_dir, tmp_path, steps=10),
+                         diagnose.Options(steps=2, warmup=1))
+        status, _, err = _finish(second)
+    finally:
+        for process in (first, second):
+            if process and process.poll() is None:
+                process.send_signal(signal.SIGKILL)
+                process.communicate(timeout=30)
+    assert first.returncode == -signal.SIGKILL
+    busy = (rf"error: --model_dir={re.escape(str(tmp_path))} is in use by pid {first.pid} on "
+            r"\S+, running since [-\d]+ [:\d]+: `python\S* -m tfspeed.train --data_dir=.*`; "
+            r"wait for it to finish or stop it, or use another --model_dir")
+    assert status == 2 and re.fullmatch(busy, err.strip()), err
+    assert re.fullmatch(busy[len("error: "):], str(caught.value)), caught.value
+
+    reached = _checkpoint_numbers(tmp_path)[-1]
+    report = run(_config(digits_dir, tmp_path, steps=reached + 10))  # a rerun, after SIGKILL
+    assert 0 < report["resumed_from_update"] <= reached
+    assert report["optimizer_updates"] == reached + 10
+    assert not (tmp_path / ".tfspeed-lock").exists()  # released at the end
 
 
 def _config(data_dir, model_dir, *, steps, strategy="default", replicas=0, **train):
