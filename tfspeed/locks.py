@@ -18,12 +18,15 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import glob
 import json
 import os
 import shlex
+import shutil
 import socket
 import sys
 import time
+from collections.abc import Iterator
 
 from absl import logging
 
@@ -126,6 +129,33 @@ def acquire(path: str, what: str, fix: str) -> Lock:
     os.ftruncate(fd, 0)
     os.pwrite(fd, owner, 0)
     return Lock(path, fd)
+
+
+@contextlib.contextmanager
+def own_dir(parent: str, name: str, what: str, fix: str) -> Iterator[str]:
+    """A directory of this process's own, ``parent/name-PID``, removed at the end.
+
+    Directories ``parent/name-*`` left by dead processes (a killed worker) are removed
+    first; a live process using ``name`` (a second job on the same directory) is an error.
+    One lock per ``name`` (``parent/name.lock``) decides which: whoever holds it, owns them.
+
+    Args:
+      parent: where the directory goes.
+      name: its name without the pid, e.g. ``.worker-1``.
+      what, fix: as for ``acquire``.
+
+    Yields:
+      The directory's path (not yet created).
+    """
+    with acquire(os.path.join(parent, f"{name}.lock"), what, fix):
+        prefix = os.path.join(parent, f"{name}-")
+        for stale in glob.glob(glob.escape(prefix) + "*"):  # we hold the lock: theirs are dead
+            shutil.rmtree(stale, ignore_errors=True)
+        path = f"{prefix}{os.getpid()}"
+        try:
+            yield path
+        finally:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def _owner(path: str) -> str:
