@@ -172,8 +172,9 @@ def _config(data_dir, model_dir, *, steps, strategy="default", replicas=0, **tra
         model=ModelConfig(name="mlp", width=16),
         runtime=RuntimeConfig(strategy=strategy, cpu_replicas=replicas, precision="float32",
                               xla="off"),
-        train=TrainConfig(train_steps=steps, steps_per_execution=1, checkpoint_every=1,
-                          keep_checkpoints=50, log_every=4, **train),
+        train=TrainConfig(**{"train_steps": steps, "steps_per_execution": 1,
+                             "checkpoint_every": 1, "keep_checkpoints": 50, "log_every": 4,
+                             **train}),
         model_dir=str(model_dir),
     ).validate()
 
@@ -223,3 +224,46 @@ def test_a_checkpoint_without_input_position_still_resumes(digits_dir, tmp_path,
         report = run(_config(digits_dir, tmp_path, steps=5))
     assert report["resumed_from_update"] == 3 and report["optimizer_updates"] == 5
     assert any("ckpt-3 holds no input position" in r.getMessage() for r in caplog.records)
+
+
+def _flip_middle_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(data)
+
+
+def test_a_damaged_newest_checkpoint_costs_only_itself(digits_dir, tmp_path, caplog):
+    """A flipped byte in the newest checkpoint: it is set aside with one warning, the run
+    resumes from the one before and ends with the weights of an uninterrupted run; the
+    manager keeps keep_checkpoints good ones. If none restores: one error, nothing moved."""
+    run_dir, checkpoints = tmp_path / "run", tmp_path / "run" / "checkpoints"
+    run(_config(digits_dir, run_dir, steps=10, checkpoint_every=2, keep_checkpoints=3))
+    assert _checkpoint_numbers(run_dir) == [6, 8, 10]
+    _flip_middle_byte(checkpoints / "ckpt-10.data-00000-of-00001")
+    with caplog.at_level(logging.WARNING):
+        report = run(_config(digits_dir, run_dir, steps=12, checkpoint_every=3,
+                             keep_checkpoints=3))
+    warnings = [r.getMessage() for r in caplog.records if "does not restore" in r.getMessage()]
+    assert len(warnings) == 1 and warnings[0].startswith(
+        f"checkpoint {checkpoints / 'ckpt-10'} does not restore ("), warnings
+    assert warnings[0].endswith(f"moved it to {checkpoints / 'damaged'} and resumed from ckpt-8")
+    assert report["resumed_from_update"] == 8 and report["optimizer_updates"] == 12
+    assert sorted(p.name for p in (checkpoints / "damaged").iterdir()) == [
+        "ckpt-10.data-00000-of-00001", "ckpt-10.index"]
+    # Saved at 9 and 12; the damaged one counted, ckpt-10 would be listed in place of ckpt-8.
+    assert _checkpoint_numbers(run_dir) == [8, 9, 12]
+    state = tf.train.get_checkpoint_state(str(checkpoints))
+    assert [Path(p).name for p in state.all_model_checkpoint_paths] == ["ckpt-8", "ckpt-9",
+                                                                        "ckpt-12"]
+    run(_config(digits_dir, tmp_path / "straight", steps=12))
+    for got, want in zip(_weights(run_dir), _weights(tmp_path / "straight"), strict=True):
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)  # nothing of ckpt-10 leaked
+
+    for number in (8, 9, 12):
+        _flip_middle_byte(checkpoints / f"ckpt-{number}.data-00000-of-00001")
+    with pytest.raises(UsageError) as caught:
+        run(_config(digits_dir, run_dir, steps=14))
+    assert re.fullmatch(rf"no checkpoint in {re.escape(str(checkpoints))} restores: all 3 are "
+                        r"damaged \(newest ckpt-12: .+\); move that directory away to train "
+                        r"from scratch, or use another --model_dir", str(caught.value))
+    assert _checkpoint_numbers(run_dir) == [8, 9, 12]  # left in place: a rerun says it again
