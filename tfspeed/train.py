@@ -146,6 +146,7 @@ def _train_and_report(job: Job) -> dict:
     import tensorflow as tf
 
     from tfspeed import report, trainer
+    from tfspeed.data import cache as data_cache
     from tfspeed.data import pipeline
 
     config = job.config
@@ -168,6 +169,7 @@ def _train_and_report(job: Job) -> dict:
         if message is None:
             raise
         raise UsageError(message.removeprefix("tfspeed: ")) from None
+    data_cache.seal_built()  # caches this run finished: the next run checks their checksums
     weights = weights_sha256(model)
     service_counts = _service_report(data, rt)  # before the chief/others split: collectives
     if not rt.is_chief:  # the chief writes the model and the report

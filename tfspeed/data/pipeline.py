@@ -99,7 +99,8 @@ def build_from_config(
     if until == "decode":
         return ds
     # Cache after the deterministic decode: decoding is paid once, augmentation stays random.
-    ds = cache.apply(ds, schema, config, split, num_pipelines, pipeline_id)
+    ds = cache.apply(ds, schema, config, split, num_pipelines, pipeline_id,
+                     _num_records(schema, config, split, num_pipelines, pipeline_id))
     if until == "cache":
         return ds
     if shuffle:
@@ -146,6 +147,14 @@ def _files(schema, config, split, num_pipelines, pipeline_id):
     if num_pipelines > 1 and len(files) >= num_pipelines:
         return files[pipeline_id::num_pipelines], expected[pipeline_id::num_pipelines]
     return files, expected
+
+
+def _num_records(schema, config, split, num_pipelines, pipeline_id) -> int:
+    """How many records this pipeline reads in one pass, as ``schema.json`` counts them."""
+    files, expected = _files(schema, config, split, num_pipelines, pipeline_id)
+    if num_pipelines > 1 and len(files) == len(schema.split(split).shards):
+        return len(range(pipeline_id, sum(expected), num_pipelines))  # ``Dataset.shard``
+    return sum(expected)
 
 
 def sharding(num_files: int, num_pipelines: int) -> str:
