@@ -9,6 +9,7 @@ before it.
 from __future__ import annotations
 
 import glob
+import json
 import os
 
 import tensorflow as tf
@@ -32,6 +33,22 @@ def _reason(error: Exception) -> str:
     """The first line of a TF error, without its graph-node prefix and op suffix."""
     text = str(getattr(error, "message", error)).split("}}")[-1].split("[Op:")[0].strip()
     return (text.splitlines() or [type(error).__name__])[0][:200]
+
+
+def _write_state(directory: str, paths: list[str], stamps: list[float],
+                 last_preserved: float) -> None:
+    """Atomically writes the ``checkpoint`` state file as ``CheckpointManager`` does: a
+    ``CheckpointState`` in text format, paths relative to ``directory``. (TF's own writer,
+    ``update_checkpoint_state``, is deprecated and says so in four lines of log.)"""
+    names = [os.path.basename(p) for p in paths]
+    lines = [f"model_checkpoint_path: {json.dumps(names[-1])}"]
+    lines += [f"all_model_checkpoint_paths: {json.dumps(name)}" for name in names]
+    lines += [f"all_model_checkpoint_timestamps: {stamp!r}" for stamp in stamps]
+    lines.append(f"last_preserved_timestamp: {last_preserved!r}")
+    path = os.path.join(directory, "checkpoint")
+    with open(f"{path}.tmp-{os.getpid()}", "w") as f:
+        f.write("\n".join(lines) + "\n")
+    os.replace(f"{path}.tmp-{os.getpid()}", path)
 
 
 class LossDiverged(UsageError):
@@ -153,6 +170,9 @@ class Checkpoints:
         return updates
 
     def _restore(self, path: str) -> None:
+        # Restore creates the save counter after reading: a failed restore would leave it
+        # unmatched, and TF would warn about it (several lines) when the status is dropped.
+        self.checkpoint.save_counter  # noqa: B018 -- creates it
         try:
             self.checkpoint.restore(path).assert_existing_objects_matched()
         except AssertionError:
@@ -182,10 +202,8 @@ class Checkpoints:
                             "from %s", path, reason, aside, os.path.basename(kept[-1]))
         stamps = dict(zip(state.all_model_checkpoint_paths, state.all_model_checkpoint_timestamps,
                           strict=False))
-        tf.compat.v1.train.update_checkpoint_state(
-            self.directory, os.path.basename(kept[-1]), [os.path.basename(p) for p in kept],
-            all_model_checkpoint_timestamps=[stamps[p] for p in kept] if stamps else None,
-            last_preserved_timestamp=state.last_preserved_timestamp)
+        _write_state(self.directory, kept, [stamps[p] for p in kept] if stamps else [],
+                     state.last_preserved_timestamp)
         self.manager = tf.train.CheckpointManager(self.checkpoint, self.write_directory,
                                                   max_to_keep=self.keep)
 
