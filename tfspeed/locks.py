@@ -68,10 +68,6 @@ class Lock:
     def __init__(self, path: str, fd: int | None = None):
         self.path, self._fd = path, fd
 
-    @property
-    def held(self) -> bool:
-        return self._fd is not None
-
     def release(self) -> None:
         """Removes the lock file, then unlocks it (in that order: see the module doc)."""
         if self._fd is None:
