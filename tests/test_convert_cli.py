@@ -173,6 +173,27 @@ def test_help_lists_the_flags(capsys):
 # ---------------------------------------------------------------- real interruption
 
 
+def test_a_second_conversion_into_a_busy_output_names_the_first(tmp_path, capsys):
+    out = tmp_path / "out"
+    args = ("--source=digits", f"--output={out}", "--shards=500", "--workers=1", "--noprogress")
+    first = _script(*args)
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / writer.PLAN_FILE).exists():  # written under the lock
+            assert first.poll() is None and time.monotonic() < deadline, first.communicate()
+            time.sleep(0.002)
+        status, _, err = _run(capsys, *args)
+        assert first.poll() is None, "the first conversion ended too soon for this test"
+    finally:
+        first.kill()
+        first.communicate()
+    assert status == 2 and len(err) == 1, err
+    assert err[0].startswith(f"error: --output={out} is in use by pid {first.pid} on "), err
+    assert err[0].endswith(f"to_tfrecord.py {' '.join(args)}`; wait for it to finish or stop "
+                           "it, or choose another --output"), err
+    assert not (out / "schema.json").exists()
+
+
 @pytest.mark.parametrize("plan_lines", [1, 4, 300], ids=["plan-only", "few-shards", "most-shards"])
 def test_sigkill_mid_run_then_rerun_equals_an_uninterrupted_run(tmp_path, plan_lines):
     """SIGKILL at several moments: right after the plan, after a few shards, near the end."""

@@ -120,6 +120,40 @@ def test_killed_worker_job_restarts_and_resumes(four_shards, tmp_path):
     assert not list(model_dir.glob(".worker-*"))  # the killed worker's leftovers too
 
 
+def test_a_live_workers_directory_is_refused_and_a_dead_ones_removed(tmp_path):
+    """Worker 1 of another job, still running, owns MODEL_DIR/.worker-1-PID: a second job's
+    worker 1 stops with one line naming it, instead of deleting its directory. Once that
+    process is dead (SIGKILL), its directory is stale and removed."""
+    from tfspeed.trainer import _worker_dir
+
+    holder = subprocess.Popen(  # the real context, in a light process (no TensorFlow)
+        [sys.executable, "-c", "import os, sys, time\nfrom tfspeed import locks\n"
+         "with locks.own_dir(sys.argv[1], '.worker-1', 'w', 'f') as path:\n"
+         "    os.makedirs(path); print(path, flush=True); time.sleep(120)\n", str(tmp_path)],
+        cwd=REPO, env=ENV, stdout=subprocess.PIPE, text=True)
+    try:
+        theirs = Path(holder.stdout.readline().strip())
+        assert theirs == tmp_path / f".worker-1-{holder.pid}" and theirs.is_dir()
+        with pytest.raises(UsageError) as caught, _worker_dir(str(tmp_path), 1):
+            pass
+        assert re.fullmatch(rf"worker 1's directory in --model_dir={re.escape(str(tmp_path))} "
+                            rf"is in use by pid {holder.pid} on \S+, running since .*: `.*`; stop "
+                            r"that job first, or use another --model_dir", str(caught.value))
+        assert theirs.is_dir()
+        with _worker_dir(str(tmp_path), 0) as other:  # another index is not theirs
+            assert other == str(tmp_path / f".worker-0-{os.getpid()}")
+    finally:
+        holder.kill()
+        holder.communicate()
+    with _worker_dir(str(tmp_path), None) as chief:  # the chief writes into model_dir
+        assert chief == str(tmp_path)
+    with _worker_dir(str(tmp_path), 1) as mine:
+        assert not theirs.exists()  # dead: removed
+        assert mine == str(tmp_path / f".worker-1-{os.getpid()}")
+        os.makedirs(mine)
+    assert not list(tmp_path.glob(".worker-1*"))  # our directory and the lock are gone
+
+
 def test_multi_worker_needs_tf_config():
     with pytest.raises(UsageError, match="--strategy=multi_worker needs a cluster in TF_CONFIG"):
         runtime.resolve(RuntimeConfig(strategy="multi_worker"), runtime.Hardware())

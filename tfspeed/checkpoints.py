@@ -1,11 +1,15 @@
 """Checkpoints of a training run: weights, optimizer, engine state and the input position.
 
 Written every ``checkpoint_every`` updates under ``model_dir/checkpoints`` (the last few
-kept), never from a diverged state, and restored from the newest complete one.
+kept), never from a diverged state, and restored from the newest one that restores: a
+damaged one is moved to ``checkpoints/damaged/`` and costs only the updates since the one
+before it.
 """
 
 from __future__ import annotations
 
+import glob
+import json
 import os
 
 import tensorflow as tf
@@ -15,6 +19,36 @@ from tfspeed.cli import storage_error
 from tfspeed.config import TrainConfig
 from tfspeed.engine import Engine
 from tfspeed.errors import UsageError
+
+
+def _damaged(error: Exception) -> bool:
+    """Whether a restore failed on damaged files: DataLossError for a bad checksum, a plain
+    OpError from TF's checkpoint reader (bad index, missing data file), IndexError for a
+    truncated data file. Not a checkpoint of another model, nor a resource problem."""
+    return (isinstance(error, (tf.errors.DataLossError, IndexError))
+            or type(error) is tf.errors.OpError)
+
+
+def _reason(error: Exception) -> str:
+    """The first line of a TF error, without its graph-node prefix and op suffix."""
+    text = str(getattr(error, "message", error)).split("}}")[-1].split("[Op:")[0].strip()
+    return (text.splitlines() or [type(error).__name__])[0][:200]
+
+
+def _write_state(directory: str, paths: list[str], stamps: list[float],
+                 last_preserved: float) -> None:
+    """Atomically writes the ``checkpoint`` state file as ``CheckpointManager`` does: a
+    ``CheckpointState`` in text format, paths relative to ``directory``. (TF's own writer,
+    ``update_checkpoint_state``, is deprecated and says so in four lines of log.)"""
+    names = [os.path.basename(p) for p in paths]
+    lines = [f"model_checkpoint_path: {json.dumps(names[-1])}"]
+    lines += [f"all_model_checkpoint_paths: {json.dumps(name)}" for name in names]
+    lines += [f"all_model_checkpoint_timestamps: {stamp!r}" for stamp in stamps]
+    lines.append(f"last_preserved_timestamp: {last_preserved!r}")
+    path = os.path.join(directory, "checkpoint")
+    with open(f"{path}.tmp-{os.getpid()}", "w") as f:
+        f.write("\n".join(lines) + "\n")
+    os.replace(f"{path}.tmp-{os.getpid()}", path)
 
 
 class LossDiverged(UsageError):
@@ -96,28 +130,82 @@ class Checkpoints:
                                                   max_to_keep=self.keep)
 
     def restore(self) -> int:
-        """Restores the newest complete checkpoint, if any; returns its update (0 if none)."""
+        """Restores the newest checkpoint that restores, if any; returns its update (0 if none).
+
+        A checkpoint that fails to restore (a flipped byte, a truncated file: TF checks every
+        tensor's checksum) costs only itself: it is moved to ``checkpoints/damaged/`` with
+        one warning and the next older one is tried. Each restore assigns every saved
+        variable and the input position, so nothing of a half-restored damaged one remains.
+
+        Raises:
+          UsageError: checkpoints exist, but none of them restores.
+        """
         # The manager records a checkpoint in the ``checkpoint`` state file (atomically) only
         # after its files are written, even when saving async; a lost file still falls back.
         state = tf.train.get_checkpoint_state(self.directory)
         listed = list(state.all_model_checkpoint_paths) if state else []
         complete = [p for p in listed if tf.io.gfile.exists(p + ".index")]
-        if not complete:
+        damaged = {}
+        for path in reversed(complete):
+            try:
+                self._restore(path)
+                break
+            except (tf.errors.OpError, IndexError) as e:
+                if not _damaged(e):
+                    raise
+                damaged[path] = _reason(e)
+        else:
+            if damaged:  # left in place: a rerun must not silently start from scratch
+                newest, reason = next(iter(damaged.items()))
+                raise UsageError(
+                    f"no checkpoint in {self.directory} restores: all {len(damaged)} are "
+                    f"damaged (newest {os.path.basename(newest)}: {reason}); move that "
+                    "directory away to train from scratch, or use another --model_dir")
             return 0
-        latest = complete[-1]
+        if damaged:
+            self._set_aside(damaged, state, [p for p in complete if p not in damaged])
+        updates = int(self.engine.optimizer.iterations.numpy())
+        logging.info("resumed from %s at update %d", path, updates)
+        self.last_saved = updates
+        return updates
+
+    def _restore(self, path: str) -> None:
+        # Restore creates the save counter after reading: a failed restore would leave it
+        # unmatched, and TF would warn about it (several lines) when the status is dropped.
+        self.checkpoint.save_counter  # noqa: B018 -- creates it
         try:
-            self.checkpoint.restore(latest).assert_existing_objects_matched()
+            self.checkpoint.restore(path).assert_existing_objects_matched()
         except AssertionError:
             if not self.has_iterator:
                 raise
             # Written by a run that could not save its input position (another strategy, or
             # a pipeline tf.data cannot save): restore the rest, fast-forward the input.
-            self._track(None, f"{os.path.basename(latest)} holds no input position")
-            self.checkpoint.restore(latest).assert_existing_objects_matched()
-        updates = int(self.engine.optimizer.iterations.numpy())
-        logging.info("resumed from %s at update %d", latest, updates)
-        self.last_saved = updates
-        return updates
+            self._track(None, f"{os.path.basename(path)} holds no input position")
+            self.checkpoint.restore(path).assert_existing_objects_matched()
+
+    def _set_aside(self, damaged: dict[str, str], state, kept: list[str]) -> None:
+        """Moves damaged checkpoints to ``damaged/``, one warning each, and rewrites the
+        ``checkpoint`` state file without them. A manager that still counted them would keep
+        fewer good checkpoints than ``keep_checkpoints`` and later try to delete them, so a
+        new one reads the new state. Only the chief: the other workers read its directory."""
+        if self.write_directory != self.directory:
+            for path, reason in damaged.items():
+                logging.warning("checkpoint %s does not restore (%s); resumed from an older "
+                                "one", path, reason)
+            return
+        aside = os.path.join(self.directory, "damaged")
+        os.makedirs(aside, exist_ok=True)
+        for path, reason in damaged.items():
+            for file in glob.glob(glob.escape(path) + ".*"):
+                os.replace(file, os.path.join(aside, os.path.basename(file)))
+            logging.warning("checkpoint %s does not restore (%s); moved it to %s and resumed "
+                            "from %s", path, reason, aside, os.path.basename(kept[-1]))
+        stamps = dict(zip(state.all_model_checkpoint_paths, state.all_model_checkpoint_timestamps,
+                          strict=False))
+        _write_state(self.directory, kept, [stamps[p] for p in kept] if stamps else [],
+                     state.last_preserved_timestamp)
+        self.manager = tf.train.CheckpointManager(self.checkpoint, self.write_directory,
+                                                  max_to_keep=self.keep)
 
     def maybe_save(self, updates: int) -> None:
         if self.every and updates // self.every > max(self.last_saved, 0) // self.every:

@@ -38,14 +38,19 @@ def run(config, options: Options = Options()) -> dict:  # noqa: B008 -- frozen
     """Measures, decides and writes the diagnosis; returns it as a dict."""
     from tfspeed import train
 
+    # It trains the model and writes into --model_dir: it holds the run's lock too, so a
+    # training run and a diagnosis on one directory never overwrite each other.
     job = train.prepare(config)
     out_dir = os.path.join(config.model_dir, "diagnose")
-    os.makedirs(out_dir, exist_ok=True)
-    figures = measure(job, options, out_dir)
-    result = {**figures, **decide(job, figures)}
-    with open(os.path.join(out_dir, "diagnose.json"), "w") as f:
-        json.dump(result, f, indent=2)
-    result["chart"] = _chart(result, os.path.join(out_dir, "diagnose.png"))
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        figures = measure(job, options, out_dir)
+        result = {**figures, **decide(job, figures)}
+        with open(os.path.join(out_dir, "diagnose.json"), "w") as f:
+            json.dump(result, f, indent=2)
+        result["chart"] = _chart(result, os.path.join(out_dir, "diagnose.png"))
+    finally:
+        job.release()
     for line in report_lines(result):
         print(line)
     print(f"details: {out_dir}/diagnose.json, chart: {result['chart']}")

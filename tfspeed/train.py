@@ -12,6 +12,7 @@ import sys
 from absl import app, logging
 
 from tfspeed import flags as tfspeed_flags
+from tfspeed import locks
 from tfspeed.cli import main_entry
 from tfspeed.config import Config
 from tfspeed.errors import UsageError
@@ -32,6 +33,7 @@ class Job:
     num_train: int
     prepare_seconds: float
     input_sharding: str = ""
+    lock: locks.Lock | None = None  # on --model_dir, held by the chief until ``release``
     preprocess: object = None  # runs on each batch's inputs inside the compiled step
     input_report: dict = dataclasses.field(default_factory=dict)
     data_configs: dict = dataclasses.field(default_factory=dict)  # per split, cache resolved
@@ -45,18 +47,54 @@ class Job:
     def steps_per_epoch(self) -> int:
         return self.num_train // self.config.data.batch_size
 
+    def release(self) -> None:
+        """Lets another run use ``--model_dir`` (the end of the process does it too)."""
+        if self.lock:
+            self.lock.release()
+
 
 def prepare(config: Config) -> Job:
-    """Resolves the runtime, converts demo data if asked, builds the datasets and the model."""
-    import keras
+    """Resolves the runtime, locks ``--model_dir``, converts demo data if asked, builds the
+    datasets and the model. Call ``release()`` on the job when done with it.
 
-    from tfspeed import models, runtime
-    from tfspeed.data import pipeline
-    from tfspeed.data import schema as schema_lib
+    Args:
+      config: a validated experiment config.
+
+    Returns:
+      The ``Job``, holding the lock on ``--model_dir`` on the chief.
+
+    Raises:
+      UsageError: another live run (training or diagnosis) holds ``--model_dir``.
+    """
+    from tfspeed import runtime
 
     _make_dir(config.model_dir)
     # Devices (logical CPUs, GPU memory growth) can only be configured before any op runs.
     rt = runtime.setup(config.runtime)
+    # Two runs writing one model_dir would overwrite each other's checkpoints, logs and
+    # report. Only the chief writes there; the other workers lock their own directories.
+    lock = _lock_model_dir(config.model_dir) if rt.is_chief else None
+    try:
+        return _build(config, rt, lock)
+    except BaseException:
+        if lock:
+            lock.release()
+        raise
+
+
+def _lock_model_dir(model_dir: str) -> locks.Lock:
+    return locks.acquire(os.path.join(model_dir, locks.LOCK_FILE), f"--model_dir={model_dir}",
+                         "wait for it to finish or stop it, or use another --model_dir")
+
+
+def _build(config: Config, rt, lock: locks.Lock | None) -> Job:
+    """``prepare`` once the runtime is set up and the run directory is ours."""
+    import keras
+
+    from tfspeed import models
+    from tfspeed.data import pipeline
+    from tfspeed.data import schema as schema_lib
+
     prepare_seconds = _prepare_data(config) if rt.is_chief else _wait_for_data(config)
     schema = schema_lib.read(config.data.data_dir)
     data = config.data
@@ -94,7 +132,7 @@ def prepare(config: Config) -> Job:
     return Job(config=config, runtime=rt, schema=schema, model=model,
                train_data=dataset(data.train_split, True), eval_data=eval_data,
                eval_steps=eval_steps, input_shape=input_shape, num_train=num_train,
-               prepare_seconds=prepare_seconds, input_sharding=sharding,
+               prepare_seconds=prepare_seconds, input_sharding=sharding, lock=lock,
                preprocess=preprocess, input_report=input_report, data_configs=configs)
 
 
@@ -140,12 +178,21 @@ def run(config: Config) -> dict:
     Returns:
       The report dict: evaluation metrics, throughput, updates, resolved settings.
     """
+    job = prepare(config)
+    try:
+        return _train_and_report(job)
+    finally:
+        job.release()
+
+
+def _train_and_report(job: Job) -> dict:
     import tensorflow as tf
 
     from tfspeed import report, trainer
+    from tfspeed.data import cache as data_cache
     from tfspeed.data import pipeline
 
-    job = prepare(config)
+    config = job.config
     model, rt, schema, data = job.model, job.runtime, job.schema, config.data
     num_train, input_shape, prepare_seconds = job.num_train, job.input_shape, job.prepare_seconds
     try:
@@ -166,6 +213,7 @@ def run(config: Config) -> dict:
         if message is None:
             raise
         raise UsageError(message.removeprefix("tfspeed: ")) from None
+    data_cache.seal_built()  # caches this run finished: the next run checks their checksums
     weights = weights_sha256(model)
     service_counts = _service_report(data, rt)  # before the chief/others split: collectives
     if not rt.is_chief:  # the chief writes the model and the report
@@ -299,7 +347,7 @@ def _prepare_data(config: Config) -> float:
 def _make_dir(path: str) -> None:
     try:
         os.makedirs(path, exist_ok=True)
-        probe = os.path.join(path, ".write-test")
+        probe = os.path.join(path, f".write-test-{os.getpid()}")  # two runs may probe at once
         with open(probe, "w") as f:
             f.write("ok")
         os.remove(probe)

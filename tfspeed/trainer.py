@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import glob
 import os
-import shutil
 import signal
 import sys
 import threading
@@ -27,7 +25,7 @@ import tensorflow as tf
 from absl import logging
 
 from tfspeed import callbacks as meters
-from tfspeed import profiling
+from tfspeed import locks, profiling
 from tfspeed.checkpoints import Checkpoints, LossDiverged  # noqa: F401 -- re-exported
 from tfspeed.config import TrainConfig
 from tfspeed.engine import Engine, EngineOptions
@@ -183,26 +181,28 @@ def fit(
                          f"{global_batch_size * k} examples, more than the train split holds; "
                          "lower them")
     engine = make_engine(model, config, runtime, global_batch_size, total_updates, preprocess)
-    with _worker_dir(model_dir, runtime) as write_dir:
+    with _worker_dir(model_dir, None if runtime.is_chief else runtime.worker_index) as write_dir:
         return _fit(engine, train_data, eval_data, config, runtime, steps_per_epoch,
                     eval_steps, global_batch_size, model_dir, write_dir, total_updates)
 
 
 @contextlib.contextmanager
-def _worker_dir(model_dir: str, runtime: Runtime):
-    """Where this process writes checkpoints and logs: ``model_dir`` on the chief; on the
-    other workers of a multi-worker job a temporary directory, removed at the end."""
-    if runtime.is_chief:
+def _worker_dir(model_dir: str, worker_index: int | None):
+    """Where this process writes checkpoints and logs: ``model_dir`` on the chief
+    (``worker_index`` None), which ``train.prepare`` locked; on the other workers of a
+    multi-worker job ``MODEL_DIR/.worker-I-PID``, removed at the end.
+
+    A killed earlier attempt leaves its ``.worker-I-*`` behind; they are removed, but only
+    while holding worker I's lock: a second job on the same directory, still running, is
+    told so in one line instead of losing its directory.
+    """
+    if worker_index is None:
         yield model_dir
         return
-    prefix = os.path.join(model_dir, f".worker-{runtime.worker_index}-")
-    for stale in glob.glob(glob.escape(prefix) + "*"):  # left by a killed earlier attempt
-        shutil.rmtree(stale, ignore_errors=True)
-    path = f"{prefix}{os.getpid()}"
-    try:
+    with locks.own_dir(model_dir, f".worker-{worker_index}",
+                       f"worker {worker_index}'s directory in --model_dir={model_dir}",
+                       "stop that job first, or use another --model_dir") as path:
         yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def _fit(engine, train_data, eval_data, config, runtime, steps_per_epoch, eval_steps,

@@ -1,10 +1,12 @@
 """Damaged shards on real converted data: the pipeline accounts for every lost record and
 ``tfspeed.verify --repair`` recovers every intact one. Real bytes are flipped, zeroed and cut."""
 
+import glob
 import io
 import json
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -15,8 +17,10 @@ import tensorflow as tf
 
 import tfspeed.data
 from tfspeed import verify
+from tfspeed.config import Config, DataConfig, ModelConfig, RuntimeConfig, TrainConfig
 from tfspeed.data import integrity, pipeline
 from tfspeed.data import schema as schema_lib
+from tfspeed.train import run
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SHARD = "train-00001-of-00004.tfrecord"
@@ -224,3 +228,94 @@ def test_random_damage_repair_recovers_exactly_the_untouched_records(digits_dir,
         tally["lost"] += len(frames) - len(intact)
         tally["reported"] += reported
     print(f"fuzz: {tally}")
+
+
+# ---------------------------------------------------------------- the disk cache
+
+
+def _cache_warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.getMessage().startswith("disk cache")]
+
+
+@pytest.mark.parametrize("damage", ["flipped byte", "truncated"])
+def test_a_damaged_disk_cache_is_rebuilt_with_one_warning(digits_dir, tmp_path, caplog, damage):
+    """The cache is derived data: damaged (here before its first use, so it is read through
+    TF), it is deleted, written again from the shards, and every record still arrives."""
+    options = dict(cache="disk", cache_dir=str(tmp_path), deterministic=True)
+
+    def images():
+        ds = tfspeed.data.build(digits_dir, "validation", 64, **options)
+        return np.concatenate([x.numpy() for x, _ in ds])
+
+    written = images()
+    [data] = glob.glob(str(tmp_path / "validation-*.data-*"))
+    cache = data.split(".data-")[0]
+    if damage == "truncated":
+        _cut(data, os.path.getsize(data) // 2)
+    else:
+        _flip(data, os.path.getsize(data) // 2)
+    with caplog.at_level(logging.WARNING):
+        rebuilt = images()
+    reason = {"flipped byte": ".*Checksum does not match.*", "truncated": ".+"}[damage]
+    assert [re.fullmatch(rf"disk cache {re.escape(cache)} is damaged \(reading it failed: "
+                         rf"{reason}\); deleted it, this run writes it again from the shards",
+                         w) is not None for w in _cache_warnings(caplog)] == [True]
+    np.testing.assert_array_equal(rebuilt, written)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        np.testing.assert_array_equal(images(), written)  # the rebuilt one, read whole
+    assert not _cache_warnings(caplog) and os.path.exists(cache + ".verified.json")
+
+
+def test_a_run_goes_on_past_damaged_disk_caches_of_train_and_eval(digits_dir, tmp_path,
+                                                                   caplog):
+    """A run finishes both caches and records their checksums; a byte flipped in each, the
+    next run says so once per cache, rebuilds them and trains and evaluates the same."""
+    data_dir = str(_copy(digits_dir, tmp_path))
+
+    def run_once(model_dir):
+        return run(Config(
+            data=DataConfig(data_dir=data_dir, batch_size=64, cache="disk", shuffle=False),
+            model=ModelConfig(name="mlp", width=16),
+            runtime=RuntimeConfig(strategy="default", precision="float32", xla="off"),
+            train=TrainConfig(epochs=2, steps_per_execution=1, log_every=50),
+            model_dir=str(tmp_path / model_dir)).validate())
+
+    first = run_once("first")
+    caches = sorted(p.removesuffix(".index")
+                    for p in glob.glob(os.path.join(data_dir, "cache", "*.index")))
+    assert [os.path.basename(c).split("-")[0] for c in caches] == ["train", "validation"]
+    for data in (cache + ".data-00000-of-00001" for cache in caches):
+        _flip(data, os.path.getsize(data) // 2)
+    with caplog.at_level(logging.WARNING):
+        second = run_once("second")
+    warnings = sorted(_cache_warnings(caplog))
+    assert len(warnings) == 2, warnings
+    for cache, warning in zip(caches, warnings, strict=True):
+        # Found by the checksums the first run recorded, without reading it through TF.
+        assert warning.startswith(f"disk cache {cache} is damaged ({os.path.basename(cache)}"
+                                  ".data-00000-of-00001 no longer has the size and crc32c")
+        assert os.path.exists(cache + ".verified.json")  # rebuilt and recorded again
+    assert second["optimizer_updates"] == first["optimizer_updates"]
+    assert second["eval_loss"] == pytest.approx(first["eval_loss"], abs=1e-6)
+
+
+def test_a_damaged_disk_cache_of_a_live_writer_is_left_to_it(digits_dir, tmp_path, caplog):
+    """The process that wrote a cache may still be reading it: it is not deleted under it;
+    this run reads the shards instead."""
+    ds = tfspeed.data.build(digits_dir, "validation", 64, cache="disk", cache_dir=str(tmp_path))
+    expected = sum(int(y.shape[0]) for _, y in ds)
+    [index] = glob.glob(str(tmp_path / "validation-*.index"))
+    cache = index.removesuffix(".index")
+    schema_lib.write_json_atomic(cache + ".owner", {"host": os.uname().nodename,
+                                                    "pid": os.getppid()})
+    _cut(cache + ".data-00000-of-00001", 10)
+    with caplog.at_level(logging.WARNING):
+        ds = tfspeed.data.build(digits_dir, "validation", 64, cache="disk",
+                                cache_dir=str(tmp_path))
+        assert sum(int(y.shape[0]) for _, y in ds) == expected
+    [warning] = _cache_warnings(caplog)
+    assert warning.startswith(f"disk cache {cache} is damaged (reading it failed: ")
+    assert warning.endswith(f"but pid {os.getppid()}, which wrote it, still runs: this run "
+                            "reads without it")
+    assert os.path.getsize(cache + ".data-00000-of-00001") == 10  # untouched

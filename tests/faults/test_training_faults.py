@@ -2,6 +2,7 @@
 included), SIGTERM (final checkpoint, status 143) and a diverging loss (one line, nothing
 bad checkpointed). Real processes and real signals; a tiny MLP on the digits demo."""
 
+import gc
 import json
 import logging
 import os
@@ -19,7 +20,9 @@ import pytest
 import tensorflow as tf
 
 from tests.conftest import REPO
+from tfspeed import diagnose
 from tfspeed.config import Config, DataConfig, ModelConfig, RuntimeConfig, TrainConfig
+from tfspeed.errors import UsageError
 from tfspeed.train import run
 from tfspeed.trainer import LossDiverged
 
@@ -58,6 +61,14 @@ def _wait_for_checkpoint(process, model_dir: Path, at_least: int, timeout=60) ->
         assert process.poll() is None, f"the run ended before ckpt-{at_least}: {_finish(process)}"
         time.sleep(0.005)
     raise AssertionError(f"no ckpt-{at_least} after {timeout} s")
+
+
+def _wait_until(process, condition, timeout=60) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert process.poll() is None, f"the run ended: {_finish(process)}"
+        assert time.monotonic() < deadline, f"still waiting after {timeout} s"
+        time.sleep(0.005)
 
 
 def _weights(model_dir: Path) -> list[np.ndarray]:
@@ -118,6 +129,43 @@ def test_sigterm_saves_a_final_checkpoint_and_the_rerun_finishes(digits_dir, tmp
     assert report["optimizer_updates"] == report["micro_steps"] == steps
 
 
+def test_a_second_run_on_a_busy_model_dir_stops_and_a_dead_owner_never_blocks(digits_dir,
+                                                                              tmp_path):
+    """A scheduler restarts a job whose old process still runs: the new run (or a diagnosis)
+    on the same --model_dir stops at once, naming the old one. Once the old one is SIGKILLed
+    its lock is gone, and the directory resumes as before."""
+    first = _start(_command(digits_dir, tmp_path, 10**6, every=50))  # runs until killed
+    second = None
+    try:
+        _wait_until(first, lambda: (tmp_path / ".tfspeed-lock").exists()
+                    or (tmp_path / "checkpoints").exists())  # the old code has no lock file
+        second = _start(_command(digits_dir, tmp_path, 10**6, every=50))
+        # The state file lists a checkpoint once one is complete: the rerun has one to resume.
+        _wait_until(first, lambda: (tmp_path / "checkpoints" / "checkpoint").exists())
+        first.send_signal(signal.SIGSTOP)  # a hung process holds its lock too; frees the CPU
+        with pytest.raises(UsageError) as caught:  # meanwhile, here: a diagnosis of that run
+            diagnose.run(_config(digits_dir, tmp_path, steps=10),
+                         diagnose.Options(steps=2, warmup=1))
+        status, _, err = _finish(second)
+    finally:
+        for process in (first, second):
+            if process and process.poll() is None:
+                process.send_signal(signal.SIGKILL)
+                process.communicate(timeout=30)
+    assert first.returncode == -signal.SIGKILL
+    busy = (rf"error: --model_dir={re.escape(str(tmp_path))} is in use by pid {first.pid} on "
+            r"\S+, running since [-\d]+ [:\d]+: `python\S* -m tfspeed.train --data_dir=.*`; "
+            r"wait for it to finish or stop it, or use another --model_dir")
+    assert status == 2 and re.fullmatch(busy, err.strip()), err
+    assert re.fullmatch(busy[len("error: "):], str(caught.value)), caught.value
+
+    reached = _checkpoint_numbers(tmp_path)[-1]
+    report = run(_config(digits_dir, tmp_path, steps=reached + 10))  # a rerun, after SIGKILL
+    assert 0 < report["resumed_from_update"] <= reached
+    assert report["optimizer_updates"] == reached + 10
+    assert not (tmp_path / ".tfspeed-lock").exists()  # released at the end
+
+
 def _config(data_dir, model_dir, *, steps, strategy="default", replicas=0, **train):
     return Config(
         data=DataConfig(data_dir=data_dir, batch_size=32, shuffle=False, cache="memory",
@@ -125,8 +173,9 @@ def _config(data_dir, model_dir, *, steps, strategy="default", replicas=0, **tra
         model=ModelConfig(name="mlp", width=16),
         runtime=RuntimeConfig(strategy=strategy, cpu_replicas=replicas, precision="float32",
                               xla="off"),
-        train=TrainConfig(train_steps=steps, steps_per_execution=1, checkpoint_every=1,
-                          keep_checkpoints=50, log_every=4, **train),
+        train=TrainConfig(**{"train_steps": steps, "steps_per_execution": 1,
+                             "checkpoint_every": 1, "keep_checkpoints": 50, "log_every": 4,
+                             **train}),
         model_dir=str(model_dir),
     ).validate()
 
@@ -176,3 +225,51 @@ def test_a_checkpoint_without_input_position_still_resumes(digits_dir, tmp_path,
         report = run(_config(digits_dir, tmp_path, steps=5))
     assert report["resumed_from_update"] == 3 and report["optimizer_updates"] == 5
     assert any("ckpt-3 holds no input position" in r.getMessage() for r in caplog.records)
+
+
+def _flip_middle_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(data)
+
+
+def test_a_damaged_newest_checkpoint_costs_only_itself(digits_dir, tmp_path, caplog):
+    """A flipped byte in the newest checkpoint: it is set aside with one warning, the run
+    resumes from the one before and ends with the weights of an uninterrupted run; the
+    manager keeps keep_checkpoints good ones. If none restores: one error, nothing moved."""
+    run_dir, checkpoints = tmp_path / "run", tmp_path / "run" / "checkpoints"
+    run(_config(digits_dir, run_dir, steps=10, checkpoint_every=2, keep_checkpoints=3))
+    assert _checkpoint_numbers(run_dir) == [6, 8, 10]
+    _flip_middle_byte(checkpoints / "ckpt-10.data-00000-of-00001")
+    with caplog.at_level(logging.WARNING):
+        report = run(_config(digits_dir, run_dir, steps=12, checkpoint_every=3,
+                             keep_checkpoints=3))
+    warnings = [r.getMessage() for r in caplog.records if "does not restore" in r.getMessage()]
+    assert len(warnings) == 1 and warnings[0].startswith(
+        f"checkpoint {checkpoints / 'ckpt-10'} does not restore ("), warnings
+    assert warnings[0].endswith(f"moved it to {checkpoints / 'damaged'} and resumed from ckpt-8")
+    assert report["resumed_from_update"] == 8 and report["optimizer_updates"] == 12
+    assert sorted(p.name for p in (checkpoints / "damaged").iterdir()) == [
+        "ckpt-10.data-00000-of-00001", "ckpt-10.index"]
+    # Saved at 9 and 12; the damaged one counted, ckpt-10 would be listed in place of ckpt-8.
+    assert _checkpoint_numbers(run_dir) == [8, 9, 12]
+    state = tf.train.get_checkpoint_state(str(checkpoints))
+    assert [Path(p).name for p in state.all_model_checkpoint_paths] == ["ckpt-8", "ckpt-9",
+                                                                        "ckpt-12"]
+    run(_config(digits_dir, tmp_path / "straight", steps=12))
+    for got, want in zip(_weights(run_dir), _weights(tmp_path / "straight"), strict=True):
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)  # nothing of ckpt-10 leaked
+
+    for number in (8, 9, 12):
+        _flip_middle_byte(checkpoints / f"ckpt-{number}.data-00000-of-00001")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING), pytest.raises(UsageError) as caught:
+        run(_config(digits_dir, run_dir, steps=14))
+    message = str(caught.value)
+    del caught  # its frames hold the failed restores' status objects, which TF checks ...
+    gc.collect()  # ... when they go: the error must be the one line, no warnings after it
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+    assert re.fullmatch(rf"no checkpoint in {re.escape(str(checkpoints))} restores: all 3 are "
+                        r"damaged \(newest ckpt-12: .+\); move that directory away to train "
+                        r"from scratch, or use another --model_dir", message)
+    assert _checkpoint_numbers(run_dir) == [8, 9, 12]  # left in place: a rerun says it again

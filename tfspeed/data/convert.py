@@ -21,6 +21,7 @@ from collections.abc import Sequence
 
 from absl import flags, logging
 
+from tfspeed import locks
 from tfspeed.data import runners, sources, writer
 from tfspeed.data.schema import Schema, Split, names_of
 from tfspeed.errors import UsageError, exit_on_usage_error
@@ -116,7 +117,9 @@ def convert(
     )
     _make_dir(output)
     plan = writer.Plan(output, template.fingerprint, [t.file for t in tasks])
-    with writer.locked(output):
+    # Two conversions into one directory would delete each other's shards as strays.
+    with locks.acquire(os.path.join(output, locks.LOCK_FILE), f"--output={output}",
+                       "wait for it to finish or stop it, or choose another --output"):
         finished = None if overwrite else plan.finished()
         if finished:
             summary = _summary(finished, time.perf_counter() - start, len(tasks), written=0)

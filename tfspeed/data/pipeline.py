@@ -105,7 +105,9 @@ def build_from_config(
         ds = ds.map(steps.decode, num_parallel_calls=AUTOTUNE, deterministic=deterministic)
     if until == "decode":
         return _decoded(ds, steps, deterministic)
-    ds = cache.apply(ds, schema, config, split, num_pipelines, pipeline_id, steps.cache.mode)
+    ds = cache.apply(ds, schema, config, split, num_pipelines, pipeline_id,
+                     _num_records(schema, config, split, num_pipelines, pipeline_id),
+                     steps.cache.mode)
     if until == "cache":
         return ds
     if shuffle:
@@ -155,6 +157,14 @@ def _files(schema, config, split, num_pipelines, pipeline_id):
     if num_pipelines > 1 and len(files) >= num_pipelines:
         return files[pipeline_id::num_pipelines], expected[pipeline_id::num_pipelines]
     return files, expected
+
+
+def _num_records(schema, config, split, num_pipelines, pipeline_id) -> int:
+    """How many records this pipeline reads in one pass, as ``schema.json`` counts them."""
+    files, expected = _files(schema, config, split, num_pipelines, pipeline_id)
+    if num_pipelines > 1 and len(files) == len(schema.split(split).shards):
+        return len(range(pipeline_id, sum(expected), num_pipelines))  # ``Dataset.shard``
+    return sum(expected)
 
 
 def sharding(num_files: int, num_pipelines: int) -> str:

@@ -6,7 +6,8 @@ An output directory holds:
   ``.tfspeed-plan.jsonl``              the plan: a header line (fingerprint, planned shard
                                        files), then one line per finished shard (records,
                                        bytes, sha256, skipped items);
-  ``.<shard>.tmp-<pid>``               a shard being written.
+  ``.<shard>.tmp-<pid>``               a shard being written;
+  ``.tfspeed-lock``                    while a conversion runs: its lock (``tfspeed.locks``).
 
 Crash safety: a shard is written under its temporary name, fsynced, renamed into place, and
 only then recorded in the plan (append + fsync). After a kill at any moment a rerun keeps
@@ -235,30 +236,6 @@ def verify(out_dir: str, shard: ShardResult | schema_lib.Shard) -> bool:
         return _sha256(path)[0] == shard.sha256
     except OSError:
         return False
-
-
-@contextlib.contextmanager
-def locked(out_dir: str) -> Iterator[None]:
-    """Holds an exclusive lock on ``out_dir`` (released by the OS even on SIGKILL)."""
-    try:
-        import fcntl
-    except ImportError:  # Windows: no concurrent-run protection
-        yield
-        return
-    fd = os.open(out_dir, os.O_RDONLY)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise UsageError(
-                f"another conversion is writing into {out_dir} right now; "
-                "wait for it to finish or choose another --output"
-            ) from None
-        except OSError:  # a file system without locks (some NFS): go on unprotected
-            pass
-        yield
-    finally:
-        os.close(fd)
 
 
 class Plan:
