@@ -41,7 +41,8 @@ def _config(data_dir, model_dir, data=None, model=None):
 
 
 def test_big_jpegs_and_a_tiny_model_are_input_bound_on_decode(big_photos_dir, tmp_path):
-    config = _config(big_photos_dir, tmp_path, data={"image_size": 16, "cache": "none"})
+    config = _config(big_photos_dir, tmp_path, data={"image_size": 16, "cache": "none",
+                                                     "input_placement": "host"})
     result = diagnose.run(config, QUICK)
     assert result["verdict"] == "input-bound", result
     eps = result["examples_per_sec"]

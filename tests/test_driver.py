@@ -183,3 +183,68 @@ def test_eval_steps_caps_the_evaluated_batches(digits_dir, tmp_path):
     x, y = next(iter(tfspeed.data.build(digits_dir, "validation", 32, cache="none")))
     correct = np.mean(np.argmax(model(x, training=False), 1) == y.numpy())
     assert report["eval_accuracy"] == pytest.approx(correct)  # the first batch of 32 alone
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [dict(), dict(batch=16, accum=2, spe=3, strategy="mirrored", replicas=2)],
+    ids=["default", "mirrored-accum2"],
+)
+def test_in_graph_input_gives_the_weights_of_the_tf_data_path(digits_dir, tmp_path, settings):
+    """The same records in the same order (unshuffled), the same augmentation keys: the
+    in-graph source and the pipeline train to the same weights."""
+    weights = {}
+    for placement in ("host", "device"):
+        config = _config(digits_dir, tmp_path / placement, steps=8, **settings)
+        data = dataclasses.replace(config.data, input_placement=placement, augment=("flip",))
+        report = run(dataclasses.replace(config, data=data))
+        assert report["input"]["placement"]["where"] == placement
+        weights[placement] = keras.models.load_model(tmp_path / placement / "model.keras"
+                                                     ).get_weights()
+    for host, device in zip(weights["host"], weights["device"], strict=True):
+        np.testing.assert_allclose(host, device, atol=1e-6, rtol=0)
+
+
+def test_in_graph_epochs_visit_every_record_once_in_a_seeded_order(digits_dir):
+    from tfspeed.data import ingraph
+    from tfspeed.data import schema as schema_lib
+
+    schema = schema_lib.read(digits_dir)
+    config = tfspeed.data.DataConfig(data_dir=digits_dir, batch_size=32, seed=4)
+    source = ingraph.load(config, schema, "train", global_batch_size=32)
+    n = source.num_records
+    rows = source.rows(tf.range(3 * n, dtype=tf.int64)).numpy().reshape(3, n)
+    for epoch in rows:
+        assert sorted(epoch) == list(range(n))  # every record once per epoch
+    assert not np.array_equal(rows[0], rows[1])  # a new order each epoch
+    again = ingraph.load(config, schema, "train", global_batch_size=32)
+    np.testing.assert_array_equal(again.rows(tf.range(n, dtype=tf.int64)).numpy(), rows[0])
+    # Unshuffled, the stored order is the pipeline's own (unshuffled) order.
+    plain = ingraph.load(dataclasses.replace(config, shuffle=False), schema, "train",
+                         global_batch_size=32)
+    x, y = _all_batches(tfspeed.data.build(digits_dir, "train", 256, shuffle=False,
+                                           image_dtype="uint8"))
+    np.testing.assert_array_equal(plain.inputs.numpy(), x)
+    np.testing.assert_array_equal(plain.labels.numpy(), y)
+
+
+def _all_batches(ds):
+    xs, ys = zip(*((x.numpy(), y.numpy()) for x, y in ds), strict=True)
+    return np.concatenate(xs), np.concatenate(ys)
+
+
+def test_in_graph_placement_is_chosen_from_the_budget(digits_dir):
+    from tfspeed.data import ingraph
+    from tfspeed.data import schema as schema_lib
+
+    schema = schema_lib.read(digits_dir)
+    config = tfspeed.data.DataConfig(data_dir=digits_dir, image_size=64, ram_budget_mb=1)
+    host = ingraph.choose("auto", config, schema, "train")  # 1617 x 64 x 64 = 6.3 MB
+    assert host.where == "host" and host.reason.startswith("auto: the decoded 'train' split "
+                                                           "takes ~6.3 MB, the budget is 1 MB")
+    roomy = dataclasses.replace(config, ram_budget_mb=64)
+    assert ingraph.choose("auto", roomy, schema, "train").where == "device"
+    rrc = dataclasses.replace(roomy, augment=("random_resized_crop",))
+    assert "random_resized_crop" in ingraph.choose("auto", rrc, schema, "train").reason
+    with pytest.raises(UsageError, match="--input_placement=device cannot hold the input"):
+        ingraph.choose("device", rrc, schema, "train")

@@ -62,9 +62,10 @@ def _weights(model_dir: Path) -> list[np.ndarray]:
     return keras.models.load_model(model_dir / "model.keras", compile=False).get_weights()
 
 
-def test_two_workers_match_one_worker(four_shards, tmp_path):
+@pytest.mark.parametrize("placement", ["host", "device"])
+def test_two_workers_match_one_worker(four_shards, tmp_path, placement):
     common = ("--train_steps=4", "--grad_accum_steps=2", "--steps_per_execution=2", "--xla=on",
-              "--eval_split=validation")
+              "--eval_split=validation", f"--input_placement={placement}")
     single = subprocess.run(
         [sys.executable, "-m", "tfspeed.train",
          *_flags(four_shards, tmp_path / "one", *common), "--strategy=default"],
@@ -77,7 +78,10 @@ def test_two_workers_match_one_worker(four_shards, tmp_path):
     assert report["runtime"]["num_workers"] == 2 and report["runtime"]["num_replicas"] == 2
     assert report["runtime"]["xla"] is True
     assert report["optimizer_updates"] == 4 and report["micro_steps"] == 8
-    assert report["input_sharding"].startswith("by file (4 shard files over 2 input pipelines")
+    assert report["input"]["placement"]["where"] == placement
+    assert report["input_sharding"].startswith(
+        "by file (4 shard files over 2 input pipelines" if placement == "host" else
+        "none: every worker holds the split in-graph")
     # Every worker holds the same weights after training ...
     other = re.search(r"\[worker 1\] worker 1 of 2 finished at update 4: weights sha256 (\w+)",
                       job.stdout)

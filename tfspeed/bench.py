@@ -61,26 +61,69 @@ def record(name: str, config: dict, figures: dict, ratios: dict) -> dict:
             "versions": versions(), "machine": machine()}
 
 
-def make_photos(root: str, count: int, classes: int) -> list[tuple[str, int]]:
-    """Writes photo-like JPEGs (smooth colour fields plus grain) of 256-512 px a side."""
+# Photographs bundled with scikit-learn and scikit-image (no download): varied real scenes,
+# colour and grey, 300 to 1,411 px a side.
+SKLEARN_PHOTOS = ("china.jpg", "flower.jpg")
+SKIMAGE_PHOTOS = ("astronaut.png", "chelsea.png", "coffee.png", "hubble_deep_field.jpg",
+                  "ihc.png", "motorcycle_left.png", "motorcycle_right.png", "retina.jpg",
+                  "rocket.jpg", "brick.png", "camera.png", "grass.png", "gravel.png", "moon.png")
+
+
+def sample_photos() -> list:
+    """The bundled sample photographs as RGB PIL images."""
+    from PIL import Image
+
+    try:
+        import skimage
+        import sklearn.datasets
+    except ImportError as e:
+        from tfspeed.errors import UsageError
+
+        raise UsageError(f"the benchmarks' photographs come with scikit-image and scikit-learn "
+                         f"({e}): pip install -e '.[bench]'") from None
+    folders = [(os.path.join(os.path.dirname(sklearn.datasets.__file__), "images"), SKLEARN_PHOTOS),
+               (os.path.join(os.path.dirname(skimage.__file__), "data"), SKIMAGE_PHOTOS)]
+    return [Image.open(os.path.join(folder, name)).convert("RGB")
+            for folder, names in folders for name in names]
+
+
+def make_photos(root: str, count: int, classes: int, seed: int = 0,
+                sides: tuple[int, int] = (256, 512), quality: int = 90) -> list[tuple[str, int]]:
+    """Writes ``count`` JPEGs (``quality``) cut from real photographs: random crops of the
+    bundled sample photos, resized to ``sides`` px a side and sometimes mirrored.
+
+    Generated images (noise, smooth fields) decode and compress unlike photographs, and a
+    win on them can be a loss on photos: benchmarks use these.
+
+    Returns:
+      ``[(path, label)]``; files already there are kept.
+    """
     import numpy as np
     from PIL import Image
 
-    rng = np.random.default_rng(0)
-    items = []
+    rng = np.random.default_rng(seed)
+    photos, items = None, []
     for i in range(count):
         label = i % classes
         path = os.path.join(root, f"class{label}", f"{i:05d}.jpg")
         items.append((path, label))
+        draws = rng.uniform(size=5), rng.integers(0, 2**31, size=2), rng.integers(
+            sides[0], sides[1] + 1, size=2)  # drawn even for a file that exists: same crops
         if os.path.exists(path):
             continue
+        photos = photos or sample_photos()
+        (pick, scale, sx, sy, flip), (ox, oy), (width, height) = draws
+        photo = photos[int(pick * len(photos))]
+        w, h = photo.size
+        cw, ch = max(int(w * (0.35 + 0.65 * scale) * (0.8 + 0.2 * sx)), 32), max(int(
+            h * (0.35 + 0.65 * scale) * (0.8 + 0.2 * sy)), 32)
+        x, y = int(ox % (w - cw + 1)), int(oy % (h - ch + 1))
+        crop = photo.crop((x, y, x + cw, y + ch)).resize((int(width), int(height)),
+                                                          Image.Resampling.BICUBIC)
+        if flip < 0.5:
+            crop = crop.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        w, h = rng.integers(256, 513, size=2)
-        coarse = rng.integers(0, 256, size=(6, 6, 3), dtype=np.uint8)
-        smooth = np.asarray(Image.fromarray(coarse).resize((int(w), int(h)), Image.BICUBIC))
-        grain = rng.normal(0, 10, size=smooth.shape)
-        photo = np.clip(smooth + grain, 0, 255).astype(np.uint8)
-        Image.fromarray(photo).save(path, "JPEG", quality=90)
+        crop.save(path, "JPEG", quality=quality)
     return items
 
 

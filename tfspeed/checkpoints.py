@@ -99,8 +99,10 @@ class Checkpoints:
         self.asynchronous = asynchronous
         self.keep = config.keep_checkpoints
         self.k = config.grad_accum_steps
+        # In-graph input: the position is the engine's micro-step, restored with the rest.
+        self.in_graph = hasattr(iterator, "replica_batch")
         try:
-            self._track(iterator)
+            self._track(None if self.in_graph else iterator)
         except ValueError:
             # MirroredStrategy's DistributedIterator (and its MultiDeviceIterator) are not
             # trackable in TF 2.21; only the default strategy's plain iterator is.
@@ -109,6 +111,11 @@ class Checkpoints:
         self.last_saved = -1
         self._floats = [v.value for v in engine.model.variables + engine.optimizer.variables
                         if tf.as_dtype(v.dtype).is_floating]
+
+    @property
+    def restores_position(self) -> bool:
+        """Whether a restore puts the input back where it was (else: fast-forward it)."""
+        return self.has_iterator or self.in_graph
 
     def _set_options(self) -> None:
         # Async: the step goes on while the checkpoint is written from a copy of the values.
@@ -122,7 +129,7 @@ class Checkpoints:
         self.has_iterator = iterator is not None
         if iterator is not None:
             items["iterator"] = iterator
-        else:
+        elif why:
             logging.warning("the input position is not checkpointed (%s): a resumed run "
                             "skips to the same step of the epoch instead", why)
         self.checkpoint = tf.train.Checkpoint(**items)

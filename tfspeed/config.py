@@ -13,6 +13,7 @@ import json
 from tfspeed.errors import UsageError
 
 CACHE_MODES = ("auto", "none", "memory", "disk")
+INPUT_PLACEMENTS = ("auto", "host", "device")
 IMAGE_DTYPES = ("float32", "uint8")
 PARSE_MODES = ("auto", "batched", "single")
 ON_CORRUPT_MODES = ("skip", "fail")
@@ -48,6 +49,11 @@ class DataConfig:
         available at start.
       image_dtype: ``float32`` batches in [0, 1], or ``uint8`` as stored (4× fewer bytes to
         move; the model or the training step then scales them).
+      input_placement: where the training step gets its batches: ``host`` (a tf.data
+        pipeline), ``device`` (the decoded split held as tensors on the training device,
+        batches gathered inside the compiled step: no tf.data round trip), or ``auto``
+        (device when the decoded split fits ``ram_budget_mb`` and no tf.data service or
+        random_resized_crop needs the pipeline; ``tfspeed.data.ingraph``).
       train_split / eval_split: split names.
       prepare_source: if ``data_dir`` holds no finished conversion, convert this converter
         ``--source`` into it first (the demo job uses ``digits``).
@@ -76,6 +82,7 @@ class DataConfig:
     parse: str = "auto"
     ram_budget_mb: int = 0
     image_dtype: str = "float32"
+    input_placement: str = "auto"
     train_split: str = "train"
     eval_split: str = "validation"
     prepare_source: str = ""
@@ -95,6 +102,7 @@ class DataConfig:
         _choice("cache", self.cache, CACHE_MODES)
         _choice("parse", self.parse, PARSE_MODES)
         _choice("image_dtype", self.image_dtype, IMAGE_DTYPES)
+        _choice("input_placement", self.input_placement, INPUT_PLACEMENTS)
         _choice("on_corrupt", self.on_corrupt, ON_CORRUPT_MODES)
         for name in self.augment:
             _choice("augment", name, AUGMENTATIONS)

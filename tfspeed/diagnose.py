@@ -75,8 +75,8 @@ def measure(job, options: Options, out_dir: str) -> dict:
     engine = trainer.make_engine(job.model, config.train, job.runtime, batch,
                                  total_updates=10**6, preprocess=job.preprocess)
     compute_alone = _time_engine(engine, iter(synthetic), options) * batch
-    together, wait_pct = _time_engine_with_wait(engine, iter(job.train_data), options)
-    profile = _profile(engine, iter(job.train_data), options, out_dir)
+    together, wait_pct = _time_engine_with_wait(engine, _batches(job), options)
+    profile = _profile(engine, _batches(job), options, out_dir)
     return {
         "examples_per_sec": {"input_alone": input_alone, "compute_alone": compute_alone,
                              "together": together * batch},
@@ -133,6 +133,11 @@ def _profile(engine, iterator, options: Options, out_dir: str) -> dict:
         window.after(step + 1)
     window.stop()
     return window.summary
+
+
+def _batches(job):
+    """What the engine trains on: the job's in-graph source, or an iterator over its data."""
+    return job.train_data if hasattr(job.train_data, "replica_batch") else iter(job.train_data)
 
 
 def _stage_times(job, options: Options) -> dict[str, float]:

@@ -195,6 +195,8 @@ class Engine:
             iterator: an iterator over a distributed dataset (`iter(strategy.
                 experimental_distribute_dataset(ds))`) of `(x, y)` micro-batches of
                 `global_batch_size` examples; it must not run out mid-call (`.repeat()` it).
+                Or an in-graph source (`tfspeed.data.ingraph.InGraphInput`): an object whose
+                `replica_batch(micro_step)` gives this replica's `(x, y)` inside the step.
             steps: micro-steps in this call. Passed as a tensor, so changing it (a last short
                 execution, the steps_per_execution tuner) does not retrace.
 
@@ -333,6 +335,12 @@ class Engine:
         return self._outputs(metrics, wait, 1)
 
     def _timed_micro_step(self, iterator):
+        if hasattr(iterator, "replica_batch"):  # in-graph input: nothing to wait for
+            metrics = self.strategy.reduce(_SUM, self._micro_step(None, None, iterator),
+                                           axis=None)
+            if not self.options.loss_scale:
+                self._record_nonfinite(metrics[0])
+            return metrics, tf.constant(0.0, tf.float64)
         # Host time spent inside get_next: ~0 when prefetch keeps up, the stall otherwise.
         # The timestamps are ordered around it by control dependencies; no host sync.
         before = tf.timestamp()
@@ -356,21 +364,28 @@ class Engine:
 
     def _outputs(self, totals, waited, steps):
         return {
-            "loss": totals[0] / tf.cast(steps, tf.float32),
-            "accuracy": totals[1] / totals[2],
+            # divide_no_nan: a call of 0 steps (it times the call overhead) reports zeros.
+            "loss": tf.math.divide_no_nan(totals[0], tf.cast(steps, tf.float32)),
+            "accuracy": tf.math.divide_no_nan(totals[1], totals[2]),
             "updates": self.optimizer.iterations.value.read_value(),
             "skipped": self._state.skipped_updates.read_value(),
             "loss_scale": self._scale(),
             "input_wait_s": waited,
         }
 
-    def _micro_step(self, x, y):
+    def _micro_step(self, x, y, source=None):
         micro_steps = self._state.micro_steps.assign_add(1)
+        grads_fn, accumulate_fn, args = self._replica_grads, self._replica_accumulate, (x, y)
+        if source is not None:  # each replica gathers its part of micro-step `step` itself
+            args = (micro_steps - 1,)
+            grads_fn = lambda step: self._replica_grads(*source.replica_batch(step))  # noqa: E731
+            accumulate_fn = lambda step: self._replica_accumulate(  # noqa: E731
+                *source.replica_batch(step))
         if self.options.grad_accum_steps == 1:
-            grads, metrics = self.strategy.run(self._replica_grads, args=(x, y))
+            grads, metrics = self.strategy.run(grads_fn, args=args)
             self._apply(grads)
             return metrics
-        metrics = self.strategy.run(self._replica_accumulate, args=(x, y))
+        metrics = self.strategy.run(accumulate_fn, args=args)
         # Decided here, in cross-replica context, never by a cond in replica context
         # around apply_gradients (keras#20582).
         tf.cond(

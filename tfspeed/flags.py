@@ -38,6 +38,10 @@ _PARSE = flags.DEFINE_enum("parse", "auto", ["auto", "batched", "single"],
 _RAM_BUDGET_MB = flags.DEFINE_integer(
     "ram_budget_mb", 0, "RAM the input data may take (memory cache, in-graph input, tf.data "
     "buffers); 0: half of the memory available at start.")
+_INPUT_PLACEMENT = flags.DEFINE_enum(
+    "input_placement", "auto", ["auto", "host", "device"],
+    "Where the step gets its batches: host (tf.data), device (the decoded split held in-graph, "
+    "batches gathered inside the compiled step); auto: device if it fits --ram_budget_mb.")
 _ON_CORRUPT = flags.DEFINE_enum(
     "on_corrupt", "skip", ["skip", "fail"],
     "A damaged shard: skip (report the records lost and go on) or fail (stop).")
@@ -146,6 +150,7 @@ def to_config() -> Config:
         seed=_SEED.value,
         parse=_PARSE.value,
         ram_budget_mb=_RAM_BUDGET_MB.value,
+        input_placement=_INPUT_PLACEMENT.value,
         train_split=_TRAIN_SPLIT.value,
         eval_split=_EVAL_SPLIT.value,
         prepare_source=_PREPARE_SOURCE.value,

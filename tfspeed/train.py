@@ -92,7 +92,7 @@ def _build(config: Config, rt, lock: locks.Lock | None) -> Job:
     import keras
 
     from tfspeed import models
-    from tfspeed.data import pipeline
+    from tfspeed.data import job_input, pipeline
     from tfspeed.data import schema as schema_lib
 
     prepare_seconds = _prepare_data(config) if rt.is_chief else _wait_for_data(config)
@@ -106,19 +106,15 @@ def _build(config: Config, rt, lock: locks.Lock | None) -> Job:
     _check_batch(data.batch_size, num_train, rt.num_replicas, data.train_split)
     keras.utils.set_random_seed(data.seed)
     strategy = rt.strategy
-    configs, input_report, preprocess = _input_configs(config, schema, num_train)
-
-    def dataset(split, training):
-        return strategy.distribute_datasets_from_function(
-            lambda ctx: pipeline.build_from_config(configs[split], split, training=training,
-                                                   input_context=ctx, schema=schema))
-
-    eval_data = dataset(data.eval_split, False) if data.eval_split else None
+    inputs = job_input.build(config, schema, strategy, num_train)
     # The whole split unless --eval_steps caps it. Not a count computed here: with several
     # workers one may hold a batch more than another, and tf.distribute then runs every
     # worker until the last has no data (the others get empty batches).
     eval_steps = config.train.eval_steps or None
     input_shape = pipeline.input_shape(schema, data)
+    if _precision_to_measure(config, rt):
+        rt = _measure_precision(config, rt, schema, inputs, input_shape)
+        keras.utils.set_random_seed(data.seed)  # the probe's models drew from the generator
     with strategy.scope():
         model = models.build(config.model, input_shape, schema.num_classes)
     # One input pipeline per worker process.
@@ -129,44 +125,56 @@ def _build(config: Config, rt, lock: locks.Lock | None) -> Job:
     if rt.num_workers > 1:
         logging.info("worker %d of %d; input sharded %s", rt.worker_index, rt.num_workers,
                      sharding)
+    if inputs.report["placement"]["where"] == "device":
+        sharding = "none: every worker holds the split in-graph and gathers its replicas' part"
     return Job(config=config, runtime=rt, schema=schema, model=model,
-               train_data=dataset(data.train_split, True), eval_data=eval_data,
+               train_data=inputs.train, eval_data=inputs.eval,
                eval_steps=eval_steps, input_shape=input_shape, num_train=num_train,
                prepare_seconds=prepare_seconds, input_sharding=sharding, lock=lock,
-               preprocess=preprocess, input_report=input_report, data_configs=configs)
+               preprocess=inputs.preprocess, input_report=inputs.report,
+               data_configs=inputs.configs)
 
 
-def _input_configs(config: Config, schema, num_train: int):
-    """Per split: the DataConfig with its cache resolved; the report of those choices; the
-    in-step preprocessing.
-
-    Images travel as uint8 and are scaled to [0, 1] inside the compiled step: the pipeline
-    (and on an accelerator the host-to-device copy) moves 4× fewer bytes than float32.
-    """
-    from tfspeed.data import plan
-
-    data, train = config.data, config.train
-    images = schema.input_feature.dtype == "uint8"
-    base = dataclasses.replace(data, image_dtype="uint8") if images else data
-    micro_steps = (train.train_steps * train.grad_accum_steps if train.train_steps else
-                   train.epochs * (num_train // data.batch_size))
-    passes = {data.train_split: -(-micro_steps * data.batch_size // num_train)}
-    if data.eval_split:
-        passes[data.eval_split] = 1  # evaluated once, at the end
-    configs, report = {}, {"image_dtype": base.image_dtype, "cache": {}}
-    for split, reads in passes.items():
-        cache = plan.plan_steps(base, schema, split, split == data.train_split, reads).cache
-        configs[split] = dataclasses.replace(base, cache=cache.mode)
-        report["cache"][split] = cache.to_json()
-        if data.cache == "auto":
-            logging.info("--cache=auto for %r: %s (%s)", split, cache.mode, cache.reason)
-    return configs, report, (_scale_images if images else None)
+def _precision_to_measure(config: Config, rt) -> bool:
+    """``--precision=auto`` chose bfloat16 for a CPU: measure whether it pays for this model."""
+    return (config.runtime.precision == "auto" and rt.plan.precision == "mixed_bfloat16"
+            and rt.plan.reasons.get("precision", "").startswith("auto: this CPU"))
 
 
-def _scale_images(x):
+def _measure_precision(config: Config, rt, schema, inputs, input_shape):
+    """Times a few steps of the model in float32 and in mixed_bfloat16 on one real batch;
+    returns the runtime with the faster policy set (``autotune.choose_precision``)."""
+    import keras
     import tensorflow as tf
 
-    return tf.cast(x, tf.float32) * (1 / 255)
+    from tfspeed import autotune, models, trainer
+    from tfspeed.data import pipeline
+
+    data = config.data
+    if hasattr(inputs.train, "replica_batch"):
+        source = inputs.train
+    else:
+        plain = dataclasses.replace(inputs.configs[data.train_split], shuffle=False,
+                                    augment=(), cache="none")
+        held = next(iter(pipeline.build_from_config(plain, data.train_split, training=True,
+                                                    schema=schema)))
+        source = iter(rt.strategy.experimental_distribute_dataset(
+            tf.data.Dataset.from_tensors(held).repeat()))
+    engines = {}
+    for policy in ("float32", rt.plan.precision):
+        keras.mixed_precision.set_global_policy(policy)
+        with rt.strategy.scope():
+            model = models.build(config.model, input_shape, schema.num_classes)
+        probe = dataclasses.replace(rt, plan=dataclasses.replace(rt.plan, precision=policy))
+        engines[policy] = trainer.make_engine(model, config.train, probe, data.batch_size,
+                                              10**6, inputs.preprocess)
+    seconds = {policy: rt.mean_over_workers(t)
+               for policy, t in autotune.time_steps(engines, source).items()}
+    choice, why = autotune.choose_precision(rt.plan.precision, seconds)
+    keras.mixed_precision.set_global_policy(choice)
+    logging.info("--precision=%s", why)
+    return dataclasses.replace(rt, plan=dataclasses.replace(
+        rt.plan, precision=choice, reasons={**rt.plan.reasons, "precision": why}))
 
 
 def run(config: Config) -> dict:

@@ -24,8 +24,8 @@ import keras
 import tensorflow as tf
 from absl import logging
 
+from tfspeed import autotune, locks, profiling
 from tfspeed import callbacks as meters
-from tfspeed import locks, profiling
 from tfspeed.checkpoints import Checkpoints, LossDiverged  # noqa: F401 -- re-exported
 from tfspeed.config import TrainConfig
 from tfspeed.engine import Engine, EngineOptions
@@ -209,7 +209,8 @@ def _fit(engine, train_data, eval_data, config, runtime, steps_per_epoch, eval_s
          global_batch_size, model_dir, write_dir, total_updates) -> FitResult:
     k = config.grad_accum_steps
     optimizer = engine.optimizer
-    iterator = iter(train_data)
+    # An in-graph source is its own "iterator": each step gathers its batch in the graph.
+    iterator = train_data if hasattr(train_data, "replica_batch") else iter(train_data)
     multi_worker = runtime.num_workers > 1
     # Multi-worker saves are synchronous: every worker must save at the same step.
     checkpoints = Checkpoints(engine, model_dir, config, iterator, write_dir=write_dir,
@@ -219,9 +220,9 @@ def _fit(engine, train_data, eval_data, config, runtime, steps_per_epoch, eval_s
     if finished:
         logging.warning("%s already holds a run trained to update %d of %d: evaluating only "
                         "(use a new --model_dir to train again)", model_dir, resumed, total_updates)
-    elif resumed and not checkpoints.has_iterator:
+    elif resumed and not checkpoints.restores_position:
         _fast_forward(iterator, int(engine.micro_steps.numpy()) % steps_per_epoch)
-    loop = _Loop(engine, config, global_batch_size, write_dir, total_updates * k,
+    loop = _Loop(engine, config, global_batch_size, write_dir, total_updates * k, steps_per_epoch,
                  agree=runtime.mean_over_workers)
     start = time.perf_counter()
     # A signal reaches one worker of a multi-worker job first; one stopping alone would
@@ -293,8 +294,10 @@ class _Loop:
     """Runs executions of micro-steps until ``total_micro`` and reports along the way."""
 
     def __init__(self, engine: Engine, config: TrainConfig, global_batch_size: int,
-                 model_dir: str, total_micro: int, agree=lambda value: value):
+                 model_dir: str, total_micro: int, steps_per_epoch: int,
+                 agree=lambda value: value):
         self.engine, self.config, self.total_micro = engine, config, total_micro
+        self.steps_per_epoch = steps_per_epoch
         self.agree = agree  # makes timing-based choices identical on every worker
         self.k = config.grad_accum_steps
         self.meter = meters.ThroughputMeter(global_batch_size, os.path.join(model_dir, "logs", "train"))
@@ -366,32 +369,18 @@ class _Loop:
             self.meter.writer.flush()
 
     def _tune(self, iterator, done: int) -> tuple[int, int]:
-        """steps_per_execution=auto: measures steps/s for N = 1, 2, 4, ... 64; keeps the best.
+        """steps_per_execution=auto: a cost model from two short probes (``autotune``).
 
-        Keras 3 dropped tf-keras' ``steps_per_execution="auto"``. The trial steps are real
-        training steps (they count towards the total) and take at most a quarter of the run;
-        the engine takes N as a tensor, so trying values does not retrace. The search stops
-        once two doublings in a row failed to beat the best by 3 % (noise on shared machines).
+        Keras 3 dropped tf-keras' ``steps_per_execution="auto"``. The probe's steps are real
+        training steps (they count towards the total) and take at most 5% of the run; the
+        engine takes N as a tensor, so trying values does not retrace.
         """
-        budget = self.total_micro - done
-        self.engine.train(iterator, 1)["loss"].numpy()  # trace once, outside the timings
-        done, budget = done + 1, budget - 1
-        trials, best, n = {}, 1, 1
-        while n <= 64 and 4 * max(8 * n, 64) <= budget:
-            steps = max(8 * n, 64)
-            start = time.perf_counter()
-            for _ in range(steps // n):
-                out = self.engine.train(iterator, n)
-            out["loss"].numpy()
-            trials[n] = self.agree(steps / (time.perf_counter() - start))
-            done, budget = done + steps, budget - steps
-            if trials[n] > 1.03 * trials[best]:
-                best = n
-            if n >= 4 * best:
-                break
-            n *= 2
-        self.tuning = {"value": best, "auto": True,
-                       "steps_per_sec": {str(k): round(v, 1) for k, v in trials.items()}}
-        logging.info("steps_per_execution=auto chose %d (steps/s by N: %s)", best,
-                     self.tuning["steps_per_sec"])
-        return best, done
+
+        def run_call(n: int) -> None:
+            self.engine.train(iterator, n)["loss"].numpy()
+
+        n, used, self.tuning = autotune.tune_steps_per_execution(
+            run_call, self.total_micro - done, self.steps_per_epoch, self.agree)
+        logging.info("steps_per_execution=auto chose %d (%s)", n,
+                     ", ".join(f"{k}={v}" for k, v in self.tuning.items() if k != "value"))
+        return n, done + used

@@ -29,12 +29,15 @@ from tfspeed.trainer import LossDiverged
 NOT_CHECKPOINTED = "the input position is not checkpointed"
 
 
-def _command(data_dir, model_dir, steps, every=1):
+def _command(data_dir, model_dir, steps, every=1, placement="host"):
+    # tf.data in a fixed order (its iterator is checkpointed); in-graph input shuffled (its
+    # position and permutation follow from the step alone).
+    order = "--noshuffle" if placement == "host" else "--shuffle"
     return [sys.executable, "-m", "tfspeed.train", f"--data_dir={data_dir}",
             f"--model_dir={model_dir}", "--model=mlp", "--width=16", "--precision=float32",
-            "--strategy=default", "--noshuffle", "--batch_size=32", "--steps_per_execution=1",
-            f"--train_steps={steps}", f"--checkpoint_every={every}", "--log_every=50",
-            "--eval_split="]
+            "--strategy=default", order, f"--input_placement={placement}", "--batch_size=32",
+            "--steps_per_execution=1", f"--train_steps={steps}", f"--checkpoint_every={every}",
+            "--log_every=50", "--eval_split="]
 
 
 def _start(command):
@@ -79,17 +82,19 @@ def _report(model_dir: Path) -> dict:
     return json.loads((model_dir / "report.json").read_text())
 
 
-def test_sigkill_then_the_same_command_ends_with_the_same_weights(digits_dir, tmp_path):
+@pytest.mark.parametrize("placement", ["host", "device"])
+def test_sigkill_then_the_same_command_ends_with_the_same_weights(digits_dir, tmp_path,
+                                                                    placement):
     """Model, optimizer, step and input position come back: no batch repeated or skipped."""
     steps = 150
     reference_dir, killed_dir = tmp_path / "reference", tmp_path / "killed"
-    reference = _start(_command(digits_dir, reference_dir, steps))
-    killed = _start(_command(digits_dir, killed_dir, steps))
+    reference = _start(_command(digits_dir, reference_dir, steps, placement=placement))
+    killed = _start(_command(digits_dir, killed_dir, steps, placement=placement))
     kill_after = random.Random(7).randint(10, 40)
     reached = _wait_for_checkpoint(killed, killed_dir, kill_after)
     killed.send_signal(signal.SIGKILL)
     assert killed.wait(timeout=30) == -signal.SIGKILL
-    status, _, err = _finish(_start(_command(digits_dir, killed_dir, steps)))
+    status, _, err = _finish(_start(_command(digits_dir, killed_dir, steps, placement=placement)))
     assert status == 0, err
     assert NOT_CHECKPOINTED not in err, "the input pipeline could not be checkpointed: " + err
     status, _, err = _finish(reference)
@@ -166,10 +171,11 @@ def test_a_second_run_on_a_busy_model_dir_stops_and_a_dead_owner_never_blocks(di
     assert not (tmp_path / ".tfspeed-lock").exists()  # released at the end
 
 
-def _config(data_dir, model_dir, *, steps, strategy="default", replicas=0, **train):
+def _config(data_dir, model_dir, *, steps, strategy="default", replicas=0, placement="host",
+            **train):
     return Config(
         data=DataConfig(data_dir=data_dir, batch_size=32, shuffle=False, cache="memory",
-                        eval_split=""),
+                        eval_split="", input_placement=placement),
         model=ModelConfig(name="mlp", width=16),
         runtime=RuntimeConfig(strategy=strategy, cpu_replicas=replicas, precision="float32",
                               xla="off"),

@@ -1,0 +1,44 @@
+"""What auto chooses from measurements: the rules, on given figures (no timing here)."""
+
+import pytest
+
+from tfspeed import autotune
+
+
+def test_steps_per_execution_is_the_smallest_power_of_two_with_a_small_overhead():
+    # 0.4 ms per call, 0.7 ms per step (the digits MLP here): 0.4 / (0.02 x 0.7) = 28.6 -> 32.
+    assert autotune.steps_per_execution(autotune.CallCost(4e-4, 7e-4), cap=50) == 32
+    # 0.5 ms per call, 5 ms per step (the digits CNN): 5 -> 8.
+    assert autotune.steps_per_execution(autotune.CallCost(5e-4, 5e-3), cap=50) == 8
+    # Never more than one epoch per call, never less than 1.
+    assert autotune.steps_per_execution(autotune.CallCost(1e-2, 1e-5), cap=25) == 25
+    assert autotune.steps_per_execution(autotune.CallCost(0.0, 1.0), cap=25) == 1
+
+
+def test_call_cost_from_an_empty_call_and_a_call_of_eight():
+    cost = autotune.fit_call_cost(empty=4e-4, many=4e-4 + 8 * 7e-4)
+    assert cost.overhead == pytest.approx(4e-4) and cost.step == pytest.approx(7e-4)
+    assert autotune.fit_call_cost(empty=5e-4, many=4e-4).step > 0  # noise cannot go negative
+
+
+def test_the_probe_takes_at_most_five_percent_of_the_run():
+    calls = []
+
+    def run_call(n):
+        calls.append(n)
+
+    n, used, report = autotune.tune_steps_per_execution(run_call, remaining=1000, per_epoch=50)
+    assert used == sum(calls) <= 50 and 1 <= n <= 50
+    assert report["probe_steps"] == used and calls.count(0) == 10  # free calls: overhead
+    calls.clear()
+    n, used, report = autotune.tune_steps_per_execution(run_call, remaining=200, per_epoch=50)
+    assert (n, used, calls) == (16, 0, []) and report["probe"].startswith("none: with 200")
+
+
+def test_precision_keeps_bfloat16_unless_float32_is_clearly_faster():
+    bf16 = "mixed_bfloat16"
+    choice, why = autotune.choose_precision(bf16, {"float32": 0.56e-3, bf16: 0.60e-3})
+    assert choice == "float32" and why == ("auto: measured 0.56 ms/step in float32, 0.60 in "
+                                           "mixed_bfloat16 for this model: float32 is faster here")
+    assert autotune.choose_precision(bf16, {"float32": 0.58e-3, bf16: 0.60e-3})[0] == bf16
+    assert autotune.choose_precision(bf16, {"float32": 5.9e-3, bf16: 4.5e-3})[0] == bf16

@@ -1,0 +1,90 @@
+"""A training job's input: per split, where the data comes from and how it is cached.
+
+The driver (``tfspeed.train``) and ``tfspeed.diagnose`` share this. It resolves, once and
+with a reason each: the cache of every split (``plan.plan_cache``, from how often the split
+is read), the dtype images travel in, and whether the training split is held in-graph
+(``ingraph.choose``) or read through a tf.data pipeline.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import tensorflow as tf
+from absl import logging
+
+from tfspeed.config import Config
+from tfspeed.data import ingraph, pipeline, plan
+
+
+@dataclasses.dataclass
+class JobInput:
+    """What a job trains and evaluates on.
+
+    Attributes:
+      train: a distributed, endlessly repeating dataset, or an ``InGraphInput``.
+      eval: a distributed finite dataset, or None.
+      configs: per split, the DataConfig as its pipeline runs (cache resolved).
+      preprocess: ``x -> x`` for the compiled step (uint8 images to [0, 1]), or None.
+      report: the choices and their reasons, for report.json.
+    """
+
+    train: object
+    eval: object | None
+    configs: dict
+    preprocess: object
+    report: dict
+
+
+def build(config: Config, schema, strategy, num_train: int) -> JobInput:
+    """Resolves and builds the input of ``config`` under ``strategy``."""
+    data, train = config.data, config.train
+    images = schema.input_feature.dtype == "uint8"
+    # Images travel as uint8 and are scaled to [0, 1] inside the compiled step: the pipeline
+    # (and on an accelerator the host-to-device copy) moves 4× fewer bytes than float32.
+    base = dataclasses.replace(data, image_dtype="uint8") if images else data
+    micro_steps = (train.train_steps * train.grad_accum_steps if train.train_steps else
+                   train.epochs * (num_train // data.batch_size))
+    placement = ingraph.choose(data.input_placement, base, schema, data.train_split)
+    passes = {data.train_split: -(-micro_steps * data.batch_size // num_train)}
+    if data.eval_split:
+        passes[data.eval_split] = 1  # evaluated once, at the end
+    configs, report = {}, {"image_dtype": base.image_dtype, "placement": placement.to_json(),
+                           "cache": {}}
+    for split, reads in passes.items():
+        in_graph = split == data.train_split and placement.where == "device"
+        if in_graph:
+            reads = 1  # read once, into the graph
+        cache = plan.plan_steps(base, schema, split, split == data.train_split, reads).cache
+        if in_graph:
+            cache = dataclasses.replace(cache, mode="none", reason="held in-graph: no cache")
+        configs[split] = dataclasses.replace(base, cache=cache.mode)
+        report["cache"][split] = cache.to_json()
+        if data.cache == "auto":
+            logging.info("--cache=auto for %r: %s (%s)", split, cache.mode, cache.reason)
+    logging.info("--input_placement=%s: %s (%s)", data.input_placement, placement.where,
+                 placement.reason)
+
+    def dataset(split, training):
+        return strategy.distribute_datasets_from_function(
+            lambda ctx: pipeline.build_from_config(configs[split], split, training=training,
+                                                   input_context=ctx, schema=schema))
+
+    if placement.where == "device":
+        train_input = ingraph.load(configs[data.train_split], schema, data.train_split,
+                                   global_batch_size=data.batch_size, device=_device())
+    else:
+        train_input = dataset(data.train_split, True)
+    return JobInput(train=train_input,
+                    eval=dataset(data.eval_split, False) if data.eval_split else None,
+                    configs=configs, preprocess=_scale_images if images else None,
+                    report=report)
+
+
+def _device() -> str:
+    """Where in-graph data lives: the first GPU, else the host."""
+    return "/gpu:0" if tf.config.list_logical_devices("GPU") else "/cpu:0"
+
+
+def _scale_images(x):
+    return tf.cast(x, tf.float32) * (1 / 255)
