@@ -148,6 +148,9 @@ class Engine:
         preprocess: `x -> x` run on each replica's inputs inside the compiled step, before
             the model (e.g. uint8 images to float32 in [0, 1]: the input pipeline and the
             host-to-device copy then move 4× fewer bytes).
+        metrics: name -> `fn(labels, outputs) -> one value per example`, averaged over the
+            examples of a call (training) or of the whole dataset (`evaluate`). Default:
+            `{"accuracy": sparse_accuracy}` (the arg-max of the outputs equals the label).
     """
 
     def __init__(
@@ -160,9 +163,13 @@ class Engine:
         *,
         global_batch_size: int,
         preprocess: Callable[[tf.Tensor], tf.Tensor] | None = None,
+        metrics: dict[str, LossFn] | None = None,
     ):
         options = EngineOptions() if options is None else options
         self._preprocess = preprocess or (lambda x: x)
+        self._metrics = dict({"accuracy": sparse_accuracy} if metrics is None else metrics)
+        if "loss" in self._metrics:
+            raise ValueError("metrics: 'loss' is the loss itself; name the metric otherwise")
         _check_arguments(model, optimizer, strategy, options, global_batch_size)
         self.model, self.optimizer, self.strategy = model, optimizer, strategy
         self.options = options
@@ -201,8 +208,8 @@ class Engine:
                 execution, the steps_per_execution tuner) does not retrace.
 
         Returns:
-            Scalar tensors (no host sync): `loss` and `accuracy` averaged over this call's
-            micro-batches, `updates` (= `optimizer.iterations`, applied updates so far),
+            Scalar tensors (no host sync): `loss` and each metric (`metric_names`) averaged
+            over this call's micro-batches, `updates` (= `optimizer.iterations`, applied updates so far),
             `skipped` (updates skipped for non-finite gradients so far), `loss_scale` and
             `input_wait_s` (seconds this call spent waiting for input batches).
         """
@@ -227,15 +234,16 @@ class Engine:
             steps: evaluate at most this many batches (None: the whole dataset).
 
         Returns:
-            `{"loss": float, "accuracy": float}`.
+            `{"loss": float, <metric>: float, ...}`.
         """
-        totals = tf.zeros([3])
+        totals = tf.zeros([len(self._metrics) + 2])
         for batch in itertools.islice(dataset, steps):
             totals += self._eval_fn(batch)  # stays on device until the loop ends
-        loss_sum, correct, count = totals.numpy().tolist()
+        loss_sum, *sums, count = totals.numpy().tolist()
         if count == 0:
             raise ValueError("Engine.evaluate: the dataset yielded no examples")
-        return {"loss": loss_sum / count, "accuracy": correct / count}
+        return {"loss": loss_sum / count,
+                **{name: total / count for name, total in zip(self._metrics, sums, strict=True)}}
 
     @property
     def checkpoint_items(self) -> dict[str, tf.Module]:
@@ -267,10 +275,9 @@ class Engine:
 
     # ---------------------------------------------------------------- replica context
     def _replica_forward(self, x, y, training: bool = False):
-        """Returns this replica's summed per-example loss, regularisation loss, correct count
-        and example count."""
+        """This replica's summed per-example loss, regularisation loss, summed per-example
+        metrics (a vector, in ``metric_names`` order) and example count."""
         outputs = tf.cast(self.model(self._preprocess(x), training=training), tf.float32)
-        y = tf.reshape(y, [-1])
         per_example = tf.cast(self._loss_fn(y, outputs), tf.float32)
         if per_example.shape.rank != 1:
             raise ValueError(
@@ -278,14 +285,16 @@ class Engine:
                 f"{per_example.shape}"
             )
         reg = tf.add_n([tf.cast(r, tf.float32) for r in self.model.losses] or [tf.constant(0.0)])
-        predicted = tf.argmax(outputs, axis=-1, output_type=tf.int64)
-        correct = tf.reduce_sum(tf.cast(tf.equal(predicted, tf.cast(y, tf.int64)), tf.float32))
-        return tf.reduce_sum(per_example), reg, correct, tf.cast(tf.size(y), tf.float32)
+        sums = [tf.reduce_sum(tf.cast(fn(y, outputs), tf.float32))
+                for fn in self._metrics.values()]
+        count = tf.cast(tf.shape(per_example)[0], tf.float32)
+        return tf.reduce_sum(per_example), reg, tf.stack(sums) if sums else tf.zeros([0]), count
 
     def _replica_forward_backward(self, x, y):
-        """Scaled gradients and metrics `[loss share, correct, count]`; what `xla=True` compiles."""
+        """Scaled gradients and metrics `[loss share, *metric sums, count]`; what `xla=True`
+        compiles."""
         with tf.GradientTape() as tape:
-            loss_sum, reg, correct, count = self._replica_forward(x, y, training=True)
+            loss_sum, reg, sums, count = self._replica_forward(x, y, training=True)
             # As tf.nn.compute_average_loss / scale_regularization_loss: the SUM over replicas
             # of these shares is the global mean loss plus the regularisation, once.
             loss = loss_sum / self._global_batch_size + reg / self.strategy.num_replicas_in_sync
@@ -294,7 +303,7 @@ class Engine:
         missing = [v.path for g, v in zip(grads, self._variables, strict=True) if g is None]
         if missing:
             raise ValueError(f"no gradient for {missing}: mark them trainable=False")
-        return [tf.convert_to_tensor(g) for g in grads], tf.stack([loss, correct, count])
+        return [tf.convert_to_tensor(g) for g in grads], tf.concat([[loss], sums, [count]], 0)
 
     def _replica_grads(self, x, y):
         grads, metrics = self._forward_backward(x, y)
@@ -322,8 +331,13 @@ class Engine:
         return self._state.loss_scale.read_value() if self.options.loss_scale else tf.constant(1.0)
 
     # ---------------------------------------------------------------- cross-replica context
+    @property
+    def metric_names(self) -> list[str]:
+        """The metrics `train` and `evaluate` report besides the loss."""
+        return list(self._metrics)
+
     def _train_execution(self, iterator, steps):
-        totals = tf.zeros([3])  # loss, correct, count
+        totals = tf.zeros([len(self._metrics) + 2])  # loss, metric sums, count
         waited = tf.constant(0.0, tf.float64)
         for _ in tf.range(steps):
             metrics, wait = self._timed_micro_step(iterator)
@@ -366,7 +380,8 @@ class Engine:
         return {
             # divide_no_nan: a call of 0 steps (it times the call overhead) reports zeros.
             "loss": tf.math.divide_no_nan(totals[0], tf.cast(steps, tf.float32)),
-            "accuracy": tf.math.divide_no_nan(totals[1], totals[2]),
+            **{name: tf.math.divide_no_nan(totals[1 + i], totals[-1])
+               for i, name in enumerate(self._metrics)},
             "updates": self.optimizer.iterations.value.read_value(),
             "skipped": self._state.skipped_updates.read_value(),
             "loss_scale": self._scale(),
@@ -432,12 +447,19 @@ class Engine:
 
     def _replica_eval(self, x, y):
         def forward():
-            loss_sum, reg, correct, count = self._forward(x, y)
-            return tf.stack([loss_sum + reg * count, correct, count])
+            loss_sum, reg, sums, count = self._forward(x, y)
+            return tf.concat([[loss_sum + reg * count], sums, [count]], 0)
 
         # An uneven last batch leaves some replicas an empty one (tf.distribute splits the
         # partial batch and pads with empty batches across workers); it adds nothing.
-        return tf.cond(tf.size(y) > 0, forward, lambda: tf.zeros([3]))
+        empty = tf.zeros([len(self._metrics) + 2])
+        return tf.cond(tf.shape(tf.nest.flatten(y)[0])[0] > 0, forward, lambda: empty)
+
+
+def sparse_accuracy(labels, outputs):
+    """1.0 where the arg-max of the outputs (logits or probabilities) equals the label."""
+    labels = tf.reshape(tf.cast(labels, tf.int64), [-1])  # [B] or [B, 1]
+    return tf.cast(tf.equal(tf.argmax(outputs, axis=-1), labels), tf.float32)
 
 
 def _check_arguments(model, optimizer, strategy, options, global_batch_size) -> None:

@@ -31,10 +31,12 @@ def write(model_dir: str, report: dict) -> str:
 
 def summary_lines(report: dict) -> list[str]:
     """A few lines a person reads at the end of a run."""
-    evaluated = report.get("eval_accuracy") is not None
+    evaluated = report.get("eval_metrics") or {}
+    shown = "  ".join(f"eval_{name}={value:.4f}" for name, value in sorted(
+        evaluated.items(), key=lambda item: item[0] == "loss"))  # the loss last, as before
     lines = [
-        (f"eval_accuracy={report['eval_accuracy']:.4f}  eval_loss={report['eval_loss']:.4f}  "
-         if evaluated else "no evaluation split  ") + f"updates={report['optimizer_updates']}",
+        (f"{shown}  " if evaluated else "no evaluation split  ")
+        + f"updates={report['optimizer_updates']}",
         f"throughput: {report['examples_per_sec']:.0f} examples/s, "
         f"{report['step_time_ms']:.2f} ms/step, {report['input_wait_pct']:.0f}% waiting for "
         f"input (median over {report['steps_measured']} steps)",

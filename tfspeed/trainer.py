@@ -55,8 +55,9 @@ class FitResult:
     """What training produced.
 
     Attributes:
-      train_metrics: last logged training loss and accuracy.
-      eval_metrics: final evaluation loss and accuracy (empty without an eval split).
+      train_metrics: the last logged training loss and metrics.
+      eval_metrics: final evaluation loss and metrics (empty without an eval split).
+      history: every log point: update, micro-step, loss, metrics, examples/s.
       throughput: median examples/s and step time from the meter.
       optimizer_updates: optimizer iterations at the end (updates, not micro-batches).
       micro_steps: micro-batches trained on, this run and any resumed one.
@@ -70,6 +71,7 @@ class FitResult:
 
     train_metrics: dict
     eval_metrics: dict
+    history: list
     throughput: dict
     optimizer_updates: int
     micro_steps: int
@@ -239,6 +241,7 @@ def _fit(engine, train_data, eval_data, config, runtime, steps_per_epoch, eval_s
     loop.log_eval(eval_metrics)
     return FitResult(
         train_metrics=loop.last_metrics,
+        history=loop.history,
         eval_metrics=eval_metrics,
         throughput=loop.meter.summary(),
         optimizer_updates=int(optimizer.iterations.numpy()),
@@ -305,6 +308,7 @@ class _Loop:
         self.progbar = keras.utils.Progbar(total_micro // self.k, unit_name="update",
                                            verbose=1 if sys.stdout.isatty() else 0)
         self.last_metrics: dict = {}
+        self.history: list[dict] = []  # one entry per log point
         self.tuning: dict = {"value": config.steps_per_execution}
         self.profile = (profiling.ProfileWindow(os.path.join(model_dir, "logs"),
                                                 *config.profile_steps)
@@ -346,18 +350,21 @@ class _Loop:
         figures = self.meter.tick(steps, done, waited)
         updates = int(values["updates"])
         lr = self.engine.optimizer.learning_rate
-        self.meter.scalars({"loss": values["loss"], "accuracy": values["accuracy"],
+        metrics = {name: values[name] for name in ("loss", *self.engine.metric_names)}
+        self.meter.scalars({**metrics,
                             "learning_rate": float(lr.numpy() if hasattr(lr, "numpy") else lr),
                             "loss_scale": values["loss_scale"]}, done)
-        self.last_metrics = {"loss": values["loss"], "accuracy": values["accuracy"]}
-        self.progbar.update(updates, [("loss", values["loss"]), ("accuracy", values["accuracy"]),
+        self.last_metrics = metrics
+        self.history.append({"update": updates, "micro_step": done, **metrics,
+                             "examples_per_sec": figures["examples_per_sec"]})
+        self.progbar.update(updates, [*metrics.items(),
                                       ("examples/s", figures["examples_per_sec"]),
                                       ("input wait %", figures["input_wait_pct"])])
         if not self.progbar.verbose:
-            logging.info("update %d/%d (micro-step %d): loss=%.4f accuracy=%.4f %.0f examples/s, "
-                         "%.0f%% waiting for input", updates, self.total_micro // self.k, done,
-                         values["loss"], values["accuracy"], figures["examples_per_sec"],
-                         figures["input_wait_pct"])
+            shown = " ".join(f"{name}={value:.4f}" for name, value in metrics.items())
+            logging.info("update %d/%d (micro-step %d): %s %.0f examples/s, %.0f%% waiting "
+                         "for input", updates, self.total_micro // self.k, done, shown,
+                         figures["examples_per_sec"], figures["input_wait_pct"])
 
     def log_eval(self, metrics: dict) -> None:
         if metrics:
