@@ -119,7 +119,8 @@ class ModelConfig:
     """Which model to build.
 
     Attributes:
-      name: a key of ``tfspeed.models.MODELS``.
+      name: a key of ``tfspeed.models.MODELS``, or ``package.module:function`` for your
+        own ``function(input_shape, num_outputs) -> keras.Model``.
       width: base width (units or filters); 0 takes the model's default.
       dropout: dropout rate before the classifier.
       remat: recompute activations in the backward pass instead of keeping them
@@ -134,7 +135,12 @@ class ModelConfig:
     def validate(self) -> ModelConfig:
         from tfspeed.models import MODELS
 
-        _choice("model", self.name, tuple(MODELS))
+        if ":" in self.name:  # the user's own: checked when it is imported and called
+            module, _, function = self.name.partition(":")
+            if not module or not function:
+                raise UsageError(f"--model={self.name} is not package.module:function")
+        else:
+            _choice("model", self.name, tuple(MODELS))
         _non_negative("width", self.width)
         if not 0 <= self.dropout < 1:
             raise UsageError(f"--dropout={self.dropout} must be in [0, 1)")
@@ -188,6 +194,9 @@ class TrainConfig:
       log_every: micro-steps between loss/throughput logs (each log syncs with the device).
       profile_steps: ``(start, end)`` micro-steps to capture with the TensorBoard profiler;
         empty for none.
+      loss: a Keras loss name or ``package.module:function`` (one value per example); ''
+        for the task's default (``tfspeed.objectives``).
+      metrics: Keras metric names or ``package.module:function``s; () for the default.
     """
 
     epochs: int = 1
@@ -204,6 +213,8 @@ class TrainConfig:
     eval_steps: int = 0
     log_every: int = 50
     profile_steps: tuple[int, ...] = ()
+    loss: str = ""
+    metrics: tuple[str, ...] = ()
 
     def validate(self) -> TrainConfig:
         _positive("epochs", self.epochs)

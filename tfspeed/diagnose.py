@@ -73,7 +73,8 @@ def measure(job, options: Options, out_dir: str) -> dict:
     synthetic = job.runtime.strategy.experimental_distribute_dataset(
         tf.data.Dataset.from_tensors(held).repeat())
     engine = trainer.make_engine(job.model, config.train, job.runtime, batch,
-                                 total_updates=10**6, preprocess=job.preprocess)
+                                 total_updates=10**6, preprocess=job.preprocess,
+                                 objectives=job.objectives)
     compute_alone = _time_engine(engine, iter(synthetic), options) * batch
     together, wait_pct = _time_engine_with_wait(engine, _batches(job), options)
     profile = _profile(engine, _batches(job), options, out_dir)

@@ -56,7 +56,16 @@ _TRAIN_SPLIT = flags.DEFINE_string("train_split", "train", "Split to train on.")
 _EVAL_SPLIT = flags.DEFINE_string("eval_split", "validation", "Split to evaluate on ('' for none).")
 
 # Model.
-_MODEL = flags.DEFINE_string("model", "cnn", "mlp, cnn, resnet50 or mobilenetv2.")
+_MODEL = flags.DEFINE_string(
+    "model", "cnn", "mlp, cnn, resnet50, mobilenetv2, or your own as package.module:function "
+    "(function(input_shape, num_outputs) -> keras.Model, importable from the working "
+    "directory or PYTHONPATH).")
+_LOSS = flags.DEFINE_string(
+    "loss", "", "A Keras loss name or package.module:function (one loss per example); default "
+    "by task: sparse_categorical_crossentropy or mse.")
+_METRICS = flags.DEFINE_list(
+    "metrics", [], "Keras metric names or package.module:function (means of per-example "
+    "values); default by task: accuracy or mae.")
 _WIDTH = flags.DEFINE_integer("width", 0, "Model base width; 0 takes the model's default.")
 _DROPOUT = flags.DEFINE_float("dropout", 0.0, "Dropout before the classifier.")
 _REMAT = flags.DEFINE_boolean(
@@ -177,6 +186,8 @@ def to_config() -> Config:
         eval_steps=_EVAL_STEPS.value,
         log_every=_LOG_EVERY.value,
         profile_steps=_int_list("profile_steps", _PROFILE_STEPS.value),
+        loss=_LOSS.value,
+        metrics=tuple(_METRICS.value),
     )
     return Config(data=data, model=model, runtime=runtime, train=train,
                   model_dir=_MODEL_DIR.value).validate()

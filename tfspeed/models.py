@@ -125,17 +125,62 @@ MODELS: dict[str, Builder] = {
 }
 
 
-def build(config: ModelConfig, input_shape: Sequence[int], num_classes: int) -> keras.Model:
-    """Builds the model named by ``config.name``.
+def build(config: ModelConfig, input_shape, num_classes: int) -> keras.Model:
+    """Builds the model named by ``config.name``: one of ``MODELS``, or the user's own
+    ``package.module:function`` (``function(input_shape, num_outputs) -> keras.Model``).
 
     Args:
       config: which model, its width and dropout.
-      input_shape: shape of one input example (no batch dimension).
-      num_classes: size of the classifier.
+      input_shape: shape of one input example (no batch dimension); a dict name -> shape
+        for several named inputs.
+      num_classes: the outputs the task needs (classes, or regression targets).
 
     Returns:
-      An unbuilt-optimizer ``keras.Model`` producing float32 logits.
+      A ``keras.Model``; tfspeed's own produce float32 logits.
     """
+    if is_user_model(config.name):
+        return build_user_model(config.name, input_shape, num_classes)
     if config.name not in MODELS:
-        raise UsageError(f"--model={config.name!r} is not one of: {', '.join(MODELS)}")
+        raise UsageError(f"--model={config.name!r} is not one of: {', '.join(MODELS)} "
+                         "(or your own, as package.module:function)")
+    if isinstance(input_shape, dict):
+        if config.name != "mlp":
+            raise UsageError(f"--model={config.name} takes one input; the data has several "
+                             f"({', '.join(input_shape)}): use --model=mlp or your own model")
+        return build_mlp_named(config, input_shape, num_classes)
     return MODELS[config.name](config, input_shape, num_classes)
+
+
+def is_user_model(name: str) -> bool:
+    return ":" in name
+
+
+def build_user_model(spec: str, input_shape, num_outputs: int) -> keras.Model:
+    """Calls the user's ``function(input_shape, num_outputs)`` and checks what comes back."""
+    from tfspeed.objectives import load_callable
+
+    model = load_callable(spec, "model")(input_shape, num_outputs)
+    if not isinstance(model, keras.Model):
+        raise UsageError(f"--model={spec} returned {type(model).__name__}, not a keras.Model; "
+                         "return one from function(input_shape, num_outputs)")
+    if not model.built:  # a subclassed model: build it on the input shape
+        shapes = ({name: (None, *shape) for name, shape in input_shape.items()}
+                  if isinstance(input_shape, dict) else (None, *input_shape))
+        model.build(shapes)
+    shape = tuple(model.compute_output_shape(
+        {name: (None, *s) for name, s in input_shape.items()} if isinstance(input_shape, dict)
+        else (None, *input_shape)))
+    if len(shape) != 2 or shape[-1] != num_outputs:
+        raise UsageError(f"--model={spec} outputs shape {shape}, the task needs (None, "
+                         f"{num_outputs}): end the model with keras.layers.Dense({num_outputs})")
+    return model
+
+
+def build_mlp_named(config: ModelConfig, input_shapes: dict, num_classes: int) -> keras.Model:
+    """The MLP over several named inputs, concatenated."""
+    inputs = {name: keras.Input(tuple(shape), name=name) for name, shape in input_shapes.items()}
+    x = keras.layers.Concatenate()([keras.layers.Flatten()(t) for t in inputs.values()])
+    width = config.width or 256
+    hidden = [keras.layers.Dense(width, activation="relu") for _ in range(2)]
+    x = block(hidden, config.remat, "hidden")(x)
+    return keras.Model(inputs, _classifier(x, config, num_classes), name="mlp")

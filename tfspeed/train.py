@@ -37,6 +37,7 @@ class Job:
     preprocess: object = None  # runs on each batch's inputs inside the compiled step
     input_report: dict = dataclasses.field(default_factory=dict)
     data_configs: dict = dataclasses.field(default_factory=dict)  # per split, cache resolved
+    objectives: object = None  # the loss and metrics (tfspeed.objectives)
 
     @property
     def train_data_config(self):
@@ -91,7 +92,7 @@ def _build(config: Config, rt, lock: locks.Lock | None) -> Job:
     """``prepare`` once the runtime is set up and the run directory is ours."""
     import keras
 
-    from tfspeed import models
+    from tfspeed import models, objectives
     from tfspeed.data import job_input, pipeline
     from tfspeed.data import schema as schema_lib
 
@@ -116,7 +117,8 @@ def _build(config: Config, rt, lock: locks.Lock | None) -> Job:
         rt = _measure_precision(config, rt, schema, inputs, input_shape)
         keras.utils.set_random_seed(data.seed)  # the probe's models drew from the generator
     with strategy.scope():
-        model = models.build(config.model, input_shape, schema.num_classes)
+        model = models.build(config.model, input_shape, schema.num_outputs)
+    goals = objectives.resolve(config.train.loss, config.train.metrics, schema.task, model)
     # One input pipeline per worker process.
     sharding = pipeline.sharding(len(schema.split(data.train_split).shards), rt.num_workers)
     if data.data_service:
@@ -132,7 +134,7 @@ def _build(config: Config, rt, lock: locks.Lock | None) -> Job:
                eval_steps=eval_steps, input_shape=input_shape, num_train=num_train,
                prepare_seconds=prepare_seconds, input_sharding=sharding, lock=lock,
                preprocess=inputs.preprocess, input_report=inputs.report,
-               data_configs=inputs.configs)
+               data_configs=inputs.configs, objectives=goals)
 
 
 def _precision_to_measure(config: Config, rt) -> bool:
@@ -164,7 +166,7 @@ def _measure_precision(config: Config, rt, schema, inputs, input_shape):
     for policy in ("float32", rt.plan.precision):
         keras.mixed_precision.set_global_policy(policy)
         with rt.strategy.scope():
-            model = models.build(config.model, input_shape, schema.num_classes)
+            model = models.build(config.model, input_shape, schema.num_outputs)
         probe = dataclasses.replace(rt, plan=dataclasses.replace(rt.plan, precision=policy))
         engines[policy] = trainer.make_engine(model, config.train, probe, data.batch_size,
                                               10**6, inputs.preprocess)
@@ -211,6 +213,7 @@ def _train_and_report(job: Job) -> dict:
             global_batch_size=data.batch_size,
             model_dir=config.model_dir,
             preprocess=job.preprocess,
+            objectives=job.objectives,
         )
     except tf.errors.OpError as e:
         message = pipeline.user_error(e)  # a data problem the user must fix, said in one line
@@ -247,6 +250,7 @@ def _train_and_report(job: Job) -> dict:
         "runtime": rt.to_json(),
         "input_sharding": job.input_sharding,
         "input": job.input_report,
+        "objectives": job.objectives.report,
         "data_service": service_counts,
         "weights_sha256": weights,
         "dataset": {"source": schema.source, "num_train": num_train,

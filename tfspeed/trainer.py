@@ -131,18 +131,23 @@ def sparse_ce_from_logits(labels, logits):
 
 
 def make_engine(model: keras.Model, config: TrainConfig, runtime: Runtime,
-                global_batch_size: int, total_updates: int, preprocess=None) -> Engine:
+                global_batch_size: int, total_updates: int, preprocess=None,
+                objectives=None) -> Engine:
     """The engine that runs the training step: optimizer, accumulation, XLA, loss scaling.
 
-    ``preprocess`` runs on the inputs inside the compiled step (see ``Engine``)."""
+    ``preprocess`` runs on the inputs inside the compiled step (see ``Engine``);
+    ``objectives`` (``tfspeed.objectives.Objectives``) gives the loss and the metrics
+    (default: cross-entropy on logits and accuracy)."""
+    loss, metrics = ((objectives.loss, objectives.metrics) if objectives is not None
+                     else (sparse_ce_from_logits, None))
     with runtime.strategy.scope():
         optimizer = make_optimizer(config, total_updates, global_batch_size)
         return Engine(
-            model, optimizer, runtime.strategy, sparse_ce_from_logits,
+            model, optimizer, runtime.strategy, loss,
             EngineOptions(grad_accum_steps=config.grad_accum_steps,
                           steps_per_execution=config.steps_per_execution or 1,
                           xla=runtime.xla, loss_scale=runtime.plan.loss_scale),
-            global_batch_size=global_batch_size, preprocess=preprocess,
+            global_batch_size=global_batch_size, preprocess=preprocess, metrics=metrics,
         )
 
 
@@ -158,6 +163,8 @@ def fit(
     global_batch_size: int,
     model_dir: str,
     preprocess=None,
+    objectives=None,
+    callbacks=(),
 ) -> FitResult:
     """Trains ``model`` on ``train_data`` and evaluates it on ``eval_data``.
 
@@ -172,6 +179,10 @@ def fit(
       global_batch_size: examples in one micro-batch, over all replicas.
       model_dir: checkpoints and TensorBoard logs go below it.
       preprocess: ``x -> x`` on each batch's inputs inside the compiled step.
+      objectives: the loss and metrics (``tfspeed.objectives``); default cross-entropy on
+        logits and accuracy.
+      callbacks: ``keras.callbacks.Callback``s: ``on_train_begin``/``end`` and
+        ``on_epoch_end(epoch, logs)`` with the last logged training metrics.
 
     Returns:
       A ``FitResult``.
@@ -182,10 +193,12 @@ def fit(
         raise UsageError(f"one update needs --batch_size x --grad_accum_steps = "
                          f"{global_batch_size * k} examples, more than the train split holds; "
                          "lower them")
-    engine = make_engine(model, config, runtime, global_batch_size, total_updates, preprocess)
+    engine = make_engine(model, config, runtime, global_batch_size, total_updates, preprocess,
+                         objectives)
     with _worker_dir(model_dir, None if runtime.is_chief else runtime.worker_index) as write_dir:
         return _fit(engine, train_data, eval_data, config, runtime, steps_per_epoch,
-                    eval_steps, global_batch_size, model_dir, write_dir, total_updates)
+                    eval_steps, global_batch_size, model_dir, write_dir, total_updates,
+                    callbacks=list(callbacks))
 
 
 @contextlib.contextmanager
@@ -208,7 +221,7 @@ def _worker_dir(model_dir: str, worker_index: int | None):
 
 
 def _fit(engine, train_data, eval_data, config, runtime, steps_per_epoch, eval_steps,
-         global_batch_size, model_dir, write_dir, total_updates) -> FitResult:
+         global_batch_size, model_dir, write_dir, total_updates, callbacks=()) -> FitResult:
     k = config.grad_accum_steps
     optimizer = engine.optimizer
     # An in-graph source is its own "iterator": each step gathers its batch in the graph.
@@ -225,7 +238,10 @@ def _fit(engine, train_data, eval_data, config, runtime, steps_per_epoch, eval_s
     elif resumed and not checkpoints.restores_position:
         _fast_forward(iterator, int(engine.micro_steps.numpy()) % steps_per_epoch)
     loop = _Loop(engine, config, global_batch_size, write_dir, total_updates * k, steps_per_epoch,
-                 agree=runtime.mean_over_workers)
+                 agree=runtime.mean_over_workers, callbacks=callbacks)
+    for callback in callbacks:
+        callback.set_model(engine.model)
+        callback.on_train_begin()
     start = time.perf_counter()
     # A signal reaches one worker of a multi-worker job first; one stopping alone would
     # leave the others waiting in a collective. There, SIGTERM ends the process and the
@@ -239,6 +255,9 @@ def _fit(engine, train_data, eval_data, config, runtime, steps_per_epoch, eval_s
     start = time.perf_counter()
     eval_metrics = engine.evaluate(eval_data, eval_steps) if eval_data is not None else {}
     loop.log_eval(eval_metrics)
+    for callback in callbacks:
+        callback.on_train_end({**loop.last_metrics,
+                               **{f"val_{name}": v for name, v in eval_metrics.items()}})
     return FitResult(
         train_metrics=loop.last_metrics,
         history=loop.history,
@@ -298,9 +317,10 @@ class _Loop:
 
     def __init__(self, engine: Engine, config: TrainConfig, global_batch_size: int,
                  model_dir: str, total_micro: int, steps_per_epoch: int,
-                 agree=lambda value: value):
+                 agree=lambda value: value, callbacks=()):
         self.engine, self.config, self.total_micro = engine, config, total_micro
         self.steps_per_epoch = steps_per_epoch
+        self.callbacks = list(callbacks)
         self.agree = agree  # makes timing-based choices identical on every worker
         self.k = config.grad_accum_steps
         self.meter = meters.ThroughputMeter(global_batch_size, os.path.join(model_dir, "logs", "train"))
@@ -340,6 +360,8 @@ class _Loop:
                 self._log(out, done, done - logged, float(waited))
                 logged, waited = done, 0.0
             checkpoints.maybe_save(done // self.k)
+            if self.callbacks and done // self.steps_per_epoch > (done - n) // self.steps_per_epoch:
+                self._epoch_end(out, done)
             if stop.signum:
                 break
         if self.profile:
@@ -365,6 +387,12 @@ class _Loop:
             logging.info("update %d/%d (micro-step %d): %s %.0f examples/s, %.0f%% waiting "
                          "for input", updates, self.total_micro // self.k, done, shown,
                          figures["examples_per_sec"], figures["input_wait_pct"])
+
+    def _epoch_end(self, out, done: int) -> None:
+        """Keras callbacks hear of each epoch the last execution finished (one host sync)."""
+        logs = {name: float(out[name].numpy()) for name in ("loss", *self.engine.metric_names)}
+        for callback in self.callbacks:
+            callback.on_epoch_end(done // self.steps_per_epoch - 1, logs)
 
     def log_eval(self, metrics: dict) -> None:
         if metrics:

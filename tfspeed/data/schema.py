@@ -172,6 +172,19 @@ class Schema:
         return len(self.class_names)
 
     @property
+    def task(self) -> str:
+        """``classification`` (integer class labels) or ``regression`` (float targets)."""
+        return "regression" if self.features[self.label].dtype == "float32" else "classification"
+
+    @property
+    def num_outputs(self) -> int:
+        """The outputs a model needs: the classes, or the regression targets."""
+        if self.task == "regression":
+            shape = self.features[self.label].shape
+            return int(shape[0]) if shape else 1
+        return self.num_classes
+
+    @property
     def input_feature(self) -> Feature:
         return self.features[self.inputs]
 

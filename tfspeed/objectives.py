@@ -1,0 +1,161 @@
+"""What a run minimises and reports: ``--loss`` and ``--metrics`` resolved into per-example
+functions for the engine.
+
+Both take a Keras name (``mse``, ``sparse_categorical_crossentropy``, ``mae``, ...) or
+``package.module:function``. The engine sums per-example values over replicas and micro-
+batches itself (that is what makes accumulation and several replicas exact), so a loss must
+return one value per example, and a metric must be a mean of per-example values; a Keras
+metric that is not (AUC, precision) is refused with a one-line reason.
+
+Defaults follow the task: sparse categorical cross-entropy and accuracy for classification,
+mean squared error and mean absolute error for regression. Cross-entropies take logits or
+probabilities as the model gives them: a model whose last layer is a softmax or a sigmoid
+outputs probabilities, any other outputs logits (tfspeed's own models do).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+
+import keras
+import tensorflow as tf
+
+from tfspeed.engine import sparse_accuracy
+from tfspeed.errors import UsageError
+
+TASKS = ("classification", "regression")
+DEFAULT_LOSS = {"classification": "sparse_categorical_crossentropy", "regression": "mse"}
+DEFAULT_METRICS = {"classification": ("accuracy",), "regression": ("mae",)}
+_CROSS_ENTROPIES = ("sparse_categorical_crossentropy", "categorical_crossentropy",
+                    "binary_crossentropy")
+
+
+@dataclasses.dataclass(frozen=True)
+class Objectives:
+    """The resolved loss and metrics, and what was decided about them.
+
+    Attributes:
+      loss: ``fn(labels, outputs) -> one loss per example``.
+      metrics: name -> ``fn(labels, outputs) -> one value per example``.
+      report: the names and decisions (logits or probabilities, output dtype), for
+        report.json.
+    """
+
+    loss: Callable
+    metrics: dict[str, Callable]
+    report: dict
+
+
+def resolve(loss: str, metrics: Sequence[str], task: str, model: keras.Model) -> Objectives:
+    """Resolves ``--loss`` / ``--metrics`` (empty: the task's defaults) for ``model``.
+
+    Raises:
+      UsageError: an unknown name, a module that does not import, a name that is not
+        callable, or a metric that is not a mean of per-example values.
+    """
+    if task not in TASKS:
+        raise UsageError(f"task {task!r} is not one of: {', '.join(TASKS)}")
+    probabilities = outputs_probabilities(model)
+    loss_name = loss or DEFAULT_LOSS[task]
+    loss_fn = _loss(loss_name, probabilities)
+    names = tuple(metrics) or DEFAULT_METRICS[task]
+    resolved = {_metric_name(name): _metric(name, task) for name in names}
+    if task == "regression":  # targets [B] against outputs [B, 1] would broadcast to [B, B]
+        loss_fn = _float_labels(loss_fn)
+        resolved = {name: _float_labels(fn) for name, fn in resolved.items()}
+    dtype = str(model.outputs[0].dtype) if getattr(model, "outputs", None) else "float32"
+    report = {"task": task, "loss": loss_name, "metrics": list(resolved),
+              "outputs": "probabilities" if probabilities else "logits",
+              "output_dtype": dtype.split(".")[-1]}
+    if "float32" not in dtype:
+        report["output_cast"] = f"the model outputs {report['output_dtype']}: cast to float32 " \
+                                "before the loss"
+    return Objectives(loss_fn, resolved, report)
+
+
+def outputs_probabilities(model: keras.Model) -> bool:
+    """Whether the model's last layer ends in a softmax or a sigmoid."""
+    layers = getattr(model, "layers", None) or []
+    last = layers[-1] if layers else None
+    if isinstance(last, keras.layers.Softmax):
+        return True
+    activation = getattr(last, "activation", None)
+    name = getattr(activation, "__name__", "") or (
+        activation if isinstance(activation, str) else "")
+    return name in ("softmax", "sigmoid")
+
+
+def load_callable(spec: str, flag: str) -> Callable:
+    """``package.module:function`` -> the function; one-line UsageErrors otherwise."""
+    import importlib
+    import os
+    import sys
+
+    module_name, _, attribute = spec.partition(":")
+    if not module_name or not attribute:
+        raise UsageError(f"--{flag}={spec} is not package.module:function")
+    if os.getcwd() not in sys.path:  # importable from the working directory, as documented
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise UsageError(f"--{flag}={spec}: module {module_name!r} is not importable from the "
+                         f"working directory or PYTHONPATH ({type(e).__name__}: {e})") from None
+    found = getattr(module, attribute, None)
+    if not callable(found):
+        what = "no attribute" if found is None else f"{type(found).__name__} (not callable)"
+        raise UsageError(f"--{flag}={spec}: {module_name} has {what} {attribute!r}; name a "
+                         "function")
+    return found
+
+
+def _loss(name: str, probabilities: bool) -> Callable:
+    if ":" in name:
+        return load_callable(name, "loss")
+    try:
+        fn = keras.losses.get(name)
+    except (ValueError, TypeError):
+        raise UsageError(f"--loss={name} is not a Keras loss nor package.module:function; e.g. "
+                         "--loss=mse, --loss=huber or --loss=my_losses:focal") from None
+    if not callable(fn) or isinstance(fn, keras.losses.Loss):
+        raise UsageError(f"--loss={name} is a reducing Keras Loss object; name its function "
+                         "(e.g. mse) or give package.module:function")
+    if fn.__name__ in _CROSS_ENTROPIES and not probabilities:
+        return lambda labels, outputs: fn(labels, outputs, from_logits=True)
+    return fn
+
+
+def _metric_name(name: str) -> str:
+    return name.partition(":")[2] if ":" in name else name
+
+
+def _metric(name: str, task: str) -> Callable:
+    if ":" in name:
+        return load_callable(name, "metrics")
+    if name in ("accuracy", "acc"):
+        if task != "classification":
+            raise UsageError(f"--metrics={name} needs a classification task; for regression "
+                             "use e.g. mae or mse")
+        return sparse_accuracy
+    try:
+        metric = keras.metrics.get(name)
+    except (ValueError, TypeError):
+        raise UsageError(f"--metrics={name} is not a Keras metric nor package.module:function;"
+                         " e.g. --metrics=accuracy or --metrics=mae") from None
+    fn = getattr(metric, "_fn", None)  # MeanMetricWrapper: the mean of a per-example fn
+    if isinstance(metric, keras.metrics.Metric) and fn is None:
+        raise UsageError(f"--metrics={name} is not a mean of per-example values "
+                         f"({type(metric).__name__}); the engine averages per-example metrics:"
+                         " use e.g. accuracy, mae, mse or package.module:function")
+    return fn if fn is not None else metric
+
+
+def _float_labels(fn):
+    """Regression targets as float32 of the outputs' shape."""
+
+    def wrapped(labels, outputs):
+        labels = tf.reshape(tf.cast(labels, outputs.dtype), tf.shape(outputs))
+        return fn(labels, outputs)
+
+    return wrapped
