@@ -23,3 +23,11 @@ if not _has_tensorflow():
     )
 
 __version__ = "0.1.0"
+
+
+def fit(*args, **kwargs):
+    """Trains your own Keras model on any ``tf.data.Dataset`` with tfspeed's engine; see
+    ``tfspeed.api.fit`` (imported lazily: ``import tfspeed`` stays free of TensorFlow)."""
+    from tfspeed.api import fit as _fit
+
+    return _fit(*args, **kwargs)

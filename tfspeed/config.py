@@ -139,8 +139,9 @@ class ModelConfig:
             module, _, function = self.name.partition(":")
             if not module or not function:
                 raise UsageError(f"--model={self.name} is not package.module:function")
-        else:
-            _choice("model", self.name, tuple(MODELS))
+        elif self.name not in MODELS:
+            raise UsageError(f"--model={self.name!r} is not one of: {', '.join(MODELS)}, nor "
+                             "your own as package.module:function")
         _non_negative("width", self.width)
         if not 0 <= self.dropout < 1:
             raise UsageError(f"--dropout={self.dropout} must be in [0, 1)")

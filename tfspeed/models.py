@@ -163,13 +163,13 @@ def build_user_model(spec: str, input_shape, num_outputs: int) -> keras.Model:
     if not isinstance(model, keras.Model):
         raise UsageError(f"--model={spec} returned {type(model).__name__}, not a keras.Model; "
                          "return one from function(input_shape, num_outputs)")
-    if not model.built:  # a subclassed model: build it on the input shape
-        shapes = ({name: (None, *shape) for name, shape in input_shape.items()}
-                  if isinstance(input_shape, dict) else (None, *input_shape))
-        model.build(shapes)
-    shape = tuple(model.compute_output_shape(
-        {name: (None, *s) for name, s in input_shape.items()} if isinstance(input_shape, dict)
-        else (None, *input_shape)))
+    # One call on a single zero example builds a subclassed model too (compute_output_shape
+    # is not defined for those) and tells the output shape.
+    import tensorflow as tf
+
+    zeros = ({name: tf.zeros([1, *s]) for name, s in input_shape.items()}
+             if isinstance(input_shape, dict) else tf.zeros([1, *input_shape]))
+    shape = (None, *tf.nest.flatten(model(zeros))[0].shape[1:])
     if len(shape) != 2 or shape[-1] != num_outputs:
         raise UsageError(f"--model={spec} outputs shape {shape}, the task needs (None, "
                          f"{num_outputs}): end the model with keras.layers.Dense({num_outputs})")

@@ -47,8 +47,10 @@ class Objectives:
     report: dict
 
 
-def resolve(loss: str, metrics: Sequence[str], task: str, model: keras.Model) -> Objectives:
-    """Resolves ``--loss`` / ``--metrics`` (empty: the task's defaults) for ``model``.
+def resolve(loss: str | Callable, metrics: Sequence[str | Callable] | None, task: str,
+            model: keras.Model) -> Objectives:
+    """Resolves ``--loss`` ('' : the task's default) and ``--metrics`` (None: the task's
+    defaults) for ``model``. Functions (per example) are taken as they are.
 
     Raises:
       UsageError: an unknown name, a module that does not import, a name that is not
@@ -57,10 +59,10 @@ def resolve(loss: str, metrics: Sequence[str], task: str, model: keras.Model) ->
     if task not in TASKS:
         raise UsageError(f"task {task!r} is not one of: {', '.join(TASKS)}")
     probabilities = outputs_probabilities(model)
-    loss_name = loss or DEFAULT_LOSS[task]
-    loss_fn = _loss(loss_name, probabilities)
-    names = tuple(metrics) or DEFAULT_METRICS[task]
-    resolved = {_metric_name(name): _metric(name, task) for name in names}
+    loss_name = _name(loss) if callable(loss) else loss or DEFAULT_LOSS[task]
+    loss_fn = loss if callable(loss) else _loss(loss_name, probabilities)
+    names = DEFAULT_METRICS[task] if metrics is None else tuple(metrics)
+    resolved = {_name(name): name if callable(name) else _metric(name, task) for name in names}
     if task == "regression":  # targets [B] against outputs [B, 1] would broadcast to [B, B]
         loss_fn = _float_labels(loss_fn)
         resolved = {name: _float_labels(fn) for name, fn in resolved.items()}
@@ -126,8 +128,11 @@ def _loss(name: str, probabilities: bool) -> Callable:
     return fn
 
 
-def _metric_name(name: str) -> str:
-    return name.partition(":")[2] if ":" in name else name
+def _name(spec) -> str:
+    """A metric's (or loss's) name in logs: the function's name, or what follows the ':'."""
+    if callable(spec):
+        return getattr(spec, "__name__", type(spec).__name__)
+    return spec.partition(":")[2] if ":" in spec else spec
 
 
 def _metric(name: str, task: str) -> Callable:

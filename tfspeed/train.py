@@ -118,7 +118,8 @@ def _build(config: Config, rt, lock: locks.Lock | None) -> Job:
         keras.utils.set_random_seed(data.seed)  # the probe's models drew from the generator
     with strategy.scope():
         model = models.build(config.model, input_shape, schema.num_outputs)
-    goals = objectives.resolve(config.train.loss, config.train.metrics, schema.task, model)
+    goals = objectives.resolve(config.train.loss, config.train.metrics or None, schema.task,
+                               model)
     # One input pipeline per worker process.
     sharding = pipeline.sharding(len(schema.split(data.train_split).shards), rt.num_workers)
     if data.data_service:

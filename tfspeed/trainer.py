@@ -132,7 +132,7 @@ def sparse_ce_from_logits(labels, logits):
 
 def make_engine(model: keras.Model, config: TrainConfig, runtime: Runtime,
                 global_batch_size: int, total_updates: int, preprocess=None,
-                objectives=None) -> Engine:
+                objectives=None, optimizer=None) -> Engine:
     """The engine that runs the training step: optimizer, accumulation, XLA, loss scaling.
 
     ``preprocess`` runs on the inputs inside the compiled step (see ``Engine``);
@@ -141,7 +141,7 @@ def make_engine(model: keras.Model, config: TrainConfig, runtime: Runtime,
     loss, metrics = ((objectives.loss, objectives.metrics) if objectives is not None
                      else (sparse_ce_from_logits, None))
     with runtime.strategy.scope():
-        optimizer = make_optimizer(config, total_updates, global_batch_size)
+        optimizer = optimizer or make_optimizer(config, total_updates, global_batch_size)
         return Engine(
             model, optimizer, runtime.strategy, loss,
             EngineOptions(grad_accum_steps=config.grad_accum_steps,
@@ -165,6 +165,7 @@ def fit(
     preprocess=None,
     objectives=None,
     callbacks=(),
+    optimizer=None,
 ) -> FitResult:
     """Trains ``model`` on ``train_data`` and evaluates it on ``eval_data``.
 
@@ -183,6 +184,8 @@ def fit(
         logits and accuracy.
       callbacks: ``keras.callbacks.Callback``s: ``on_train_begin``/``end`` and
         ``on_epoch_end(epoch, logs)`` with the last logged training metrics.
+      optimizer: a Keras optimizer made in the strategy's scope, instead of the one
+        ``config`` describes.
 
     Returns:
       A ``FitResult``.
@@ -194,7 +197,7 @@ def fit(
                          f"{global_batch_size * k} examples, more than the train split holds; "
                          "lower them")
     engine = make_engine(model, config, runtime, global_batch_size, total_updates, preprocess,
-                         objectives)
+                         objectives, optimizer)
     with _worker_dir(model_dir, None if runtime.is_chief else runtime.worker_index) as write_dir:
         return _fit(engine, train_data, eval_data, config, runtime, steps_per_epoch,
                     eval_steps, global_batch_size, model_dir, write_dir, total_updates,

@@ -1,0 +1,217 @@
+"""Your own Keras model on the engine: --model=module:function, --loss/--metrics, the Python
+API, regression and named inputs. The user's model files are written by the tests."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from absl.testing import flagsaver
+
+import tfspeed
+from tests.conftest import REPO
+from tfspeed import flags as tfspeed_flags
+from tfspeed.errors import UsageError
+from tfspeed.train import run
+
+USER_MODELS = '''
+import keras
+
+
+@keras.saving.register_keras_serializable(package="usermodels")
+class Scale(keras.layers.Layer):
+    """A custom layer: multiplies by a learned scalar."""
+
+    def build(self, input_shape):
+        self.factor = self.add_weight(shape=(), initializer="ones", name="factor")
+
+    def call(self, x):
+        return x * self.factor
+
+
+def functional(input_shape, num_outputs):
+    inputs = keras.Input(input_shape)
+    x = Scale()(keras.layers.Flatten()(inputs))
+    x = keras.layers.Dense(32, activation="relu")(x)
+    return keras.Model(inputs, keras.layers.Dense(num_outputs)(x))
+
+
+@keras.saving.register_keras_serializable(package="usermodels")
+class Subclassed(keras.Model):
+    def __init__(self, num_outputs=10, **kwargs):
+        super().__init__(**kwargs)
+        self.num_outputs = num_outputs
+        self.flatten = keras.layers.Flatten()
+        self.hidden = keras.layers.Dense(32, activation="relu")
+        self.out = keras.layers.Dense(num_outputs, activation="softmax")
+
+    def call(self, x):
+        return self.out(self.hidden(self.flatten(x)))
+
+    def get_config(self):
+        return {**super().get_config(), "num_outputs": self.num_outputs}
+
+
+def subclassed(input_shape, num_outputs):
+    return Subclassed(num_outputs)
+
+
+def too_few_outputs(input_shape, num_outputs):
+    return keras.Sequential([keras.Input(input_shape), keras.layers.Flatten(),
+                             keras.layers.Dense(num_outputs + 1)])
+
+
+def named(input_shapes, num_outputs):
+    inputs = {name: keras.Input(shape, name=name) for name, shape in input_shapes.items()}
+    x = keras.layers.Concatenate()(list(inputs.values()))
+    return keras.Model(inputs, keras.layers.Dense(num_outputs)(keras.layers.Dense(16)(x)))
+
+
+def halved_mae(labels, outputs):
+    return keras.ops.mean(keras.ops.abs(labels - outputs), axis=-1) / 2
+
+not_a_function = 3
+'''
+
+
+@pytest.fixture(scope="module")
+def user_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("user")
+    (folder / "usermodels.py").write_text(textwrap.dedent(USER_MODELS))
+    sys.path.insert(0, str(folder))
+    yield folder
+    sys.path.remove(str(folder))
+
+
+def _run(data_dir, model_dir, *extra):
+    tfspeed_flags.parse(["tfspeed.train", f"--data_dir={data_dir}", f"--model_dir={model_dir}",
+                         "--batch_size=16", "--train_steps=6", "--precision=float32",
+                         "--learning_rate=0.01", "--log_every=2", *extra])
+    return run(tfspeed_flags.to_config())
+
+
+@flagsaver.flagsaver
+@pytest.mark.parametrize("model", ["usermodels:functional", "usermodels:subclassed"])
+@pytest.mark.parametrize("where", [
+    ("--strategy=default",),
+    ("--strategy=mirrored", "--cpu_replicas=2", "--grad_accum_steps=2",
+     "--steps_per_execution=3"),
+], ids=["default", "mirrored-accum2-spe3"])
+def test_own_models_train_and_reload(digits_dir, user_dir, tmp_path, model, where):
+    report = _run(digits_dir, tmp_path, f"--model={model}", *where)
+    k = 2 if "--grad_accum_steps=2" in where else 1
+    assert report["optimizer_updates"] == 6 and report["micro_steps"] == 6 * k
+    assert report["objectives"]["outputs"] == ("probabilities" if "subclassed" in model
+                                               else "logits")
+    assert 0 <= report["eval_accuracy"] <= 1 and np.isfinite(report["eval_loss"])
+    import usermodels  # noqa: F401 -- registers the custom objects, as a user's code does
+
+    reloaded = keras.saving.load_model(tmp_path / "model.keras")
+    batch = next(iter(tfspeed.data.build(digits_dir, "validation", 8)))[0]
+    assert reloaded(batch).shape == (8, 10)
+
+
+@flagsaver.flagsaver
+def test_loss_and_metrics_by_name_and_by_function(digits_dir, user_dir, tmp_path):
+    report = _run(digits_dir, tmp_path, "--model=mlp", "--width=8",
+                  "--metrics=accuracy,sparse_top_k_categorical_accuracy")
+    assert set(report["eval_metrics"]) == {"loss", "accuracy",
+                                           "sparse_top_k_categorical_accuracy"}
+    assert report["eval_metrics"]["sparse_top_k_categorical_accuracy"] >= report["eval_accuracy"]
+
+
+@flagsaver.flagsaver
+@pytest.mark.parametrize("flag, message", [
+    ("--model=nosuchmodule:build", "module 'nosuchmodule' is not importable from the working "
+                                   "directory or PYTHONPATH"),
+    ("--model=usermodels:not_a_function", "usermodels has int (not callable) 'not_a_function'"),
+    ("--model=usermodels:missing", "usermodels has no attribute 'missing'"),
+    ("--model=usermodels:too_few_outputs", "outputs shape (None, 11), the task needs (None, 10)"),
+    ("--loss=no_such_loss", "--loss=no_such_loss is not a Keras loss nor package.module"),
+    ("--metrics=auc", "--metrics=auc is not a mean of per-example values (AUC)"),
+    ("--model=usermodels", "--model='usermodels' is not one of: mlp, cnn, resnet50, "
+                           "mobilenetv2, nor your own as package.module:function"),
+])
+def test_mistakes_with_your_own_model_are_one_line(digits_dir, user_dir, tmp_path, flag,
+                                                   message):
+    with pytest.raises(UsageError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        _run(digits_dir, tmp_path, "--model=mlp", flag)
+
+
+def test_a_missing_module_on_the_command_line_is_one_line(digits_dir, tmp_path):
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
+    proc = subprocess.run([sys.executable, "-m", "tfspeed.train", f"--data_dir={digits_dir}",
+                           f"--model_dir={tmp_path}", "--model=my_models:build"], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "module 'my_models' is not importable" in errors[0]
+
+
+def _arrays(n=96, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, 6)).astype(np.float32)
+    y = (x[:, 0] + x[:, 1] > 0).astype(np.int64)  # a learnable rule
+    return x, y
+
+
+def test_python_api_with_any_dataset_mirrored_accumulated(tmp_path):
+    x, y = _arrays()
+    train = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
+    validation = tf.data.Dataset.from_tensor_slices((x[:40], y[:40])).batch(16)  # uneven
+
+    def make():
+        return keras.Sequential([keras.Input((6,)), keras.layers.Dense(16, activation="relu"),
+                                 keras.layers.Dense(2)])
+
+    seen = []
+
+    class Epochs(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            seen.append((epoch, sorted(logs)))
+
+    report = tfspeed.fit(make, train, validation, epochs=4, strategy="mirrored",
+                         cpu_replicas=2, grad_accum_steps=2, steps_per_execution=3,
+                         precision="float32", learning_rate=0.05, model_dir=str(tmp_path),
+                         callbacks=[Epochs()], log_every=3)
+    assert report["optimizer_updates"] == 4 * 6 // 2 and report["micro_steps"] == 24
+    assert report["runtime"]["num_replicas"] == 2
+    assert [epoch for epoch, _ in seen] == [0, 1, 2, 3]
+    assert seen[0][1] == ["accuracy", "loss"]
+    assert report["history"] and report["history"][-1]["micro_step"] == 24
+    # Evaluation on the 40 uneven records equals evaluating the returned model directly.
+    model = report["model"]
+    logits = model(x[:40]).numpy()
+    assert report["eval_metrics"]["accuracy"] == pytest.approx(
+        np.mean(logits.argmax(1) == y[:40]))
+    # TensorBoard-compatible logs were written.
+    assert list((tmp_path / "logs" / "train").glob("events.out.tfevents.*"))
+    # A rerun resumes and trains nothing more.
+    again = tfspeed.fit(make, train, epochs=4, strategy="mirrored", cpu_replicas=2,
+                        grad_accum_steps=2, precision="float32", model_dir=str(tmp_path))
+    assert again["resumed_from_update"] == again["optimizer_updates"] == 12
+
+
+def test_python_api_regression_with_a_built_model_and_function_metric(tmp_path):
+    x, _ = _arrays(seed=1)
+    y = (2 * x[:, 0] - x[:, 2]).astype(np.float32)
+    train = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(1)])
+
+    def doubled_abs(labels, outputs):
+        return 2 * tf.reduce_mean(tf.abs(labels - outputs), axis=-1)
+
+    report = tfspeed.fit(model, train, train, steps=60, learning_rate=0.05,
+                         metrics=["mae", doubled_abs], model_dir=str(tmp_path))
+    assert report["objectives"]["task"] == "regression" and report["objectives"]["loss"] == "mse"
+    metrics = report["eval_metrics"]
+    assert metrics["doubled_abs"] == pytest.approx(2 * metrics["mae"], rel=1e-5)
+    assert metrics["loss"] < 0.5 * float(np.var(y))  # it learned the linear target
+    with pytest.raises(UsageError, match="give tfspeed.fit either epochs= or steps="):
+        tfspeed.fit(model, train)
+    with pytest.raises(UsageError, match="strategy='mirrored' needs the model built in its"):
+        tfspeed.fit(model, train, steps=1, strategy="mirrored")

@@ -1,0 +1,165 @@
+"""``tfspeed.fit``: the engine for a model and data you build yourself.
+
+    import tfspeed
+    report = tfspeed.fit(make_model, train_ds, validation=val_ds, epochs=5,
+                         strategy="mirrored", grad_accum_steps=4, model_dir="runs/mine")
+
+Everything the driver does where stock ``fit`` fails, for any ``tf.data.Dataset`` of
+``(x, y)`` batches: accumulation, steps_per_execution and per-replica XLA under
+MirroredStrategy, exact resume from ``model_dir``, the throughput meter, TensorBoard logs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import os
+import tempfile
+from collections.abc import Sequence
+
+from tfspeed.errors import UsageError
+
+
+def fit(model, train, validation=None, *, epochs: int | None = None,
+        steps: int | None = None, loss=None, metrics: Sequence | None = None,
+        optimizer="adam", learning_rate: float = 1e-3, task: str | None = None,
+        strategy="auto", cpu_replicas: int = 0, precision: str = "auto", xla: str = "auto",
+        grad_accum_steps: int = 1, steps_per_execution="auto", model_dir: str | None = None,
+        checkpoint_every: int = 0, log_every: int = 50, callbacks: Sequence = ()) -> dict:
+    """Trains ``model`` on ``train`` with tfspeed's engine; evaluates on ``validation``.
+
+    Args:
+      model: a ``keras.Model``, or a function of no arguments that builds one (tfspeed then
+        calls it inside the strategy's scope, under the precision policy). A model passed
+        built keeps its own precision and needs ``strategy`` "auto" or "default" (or a
+        strategy in whose scope it was created).
+      train: a ``tf.data.Dataset`` of ``(x, y)`` batches (``x`` may be a dict of named
+        inputs). Its batch size is the global batch of one micro-step; a last partial batch
+        is dropped, and epochs follow one another without a short batch.
+      validation: a dataset of ``(x, y)`` batches, evaluated once at the end.
+      epochs / steps: passes over ``train``, or optimizer updates (one of the two).
+      loss: a Keras loss name, ``package.module:function`` or a function returning one loss
+        per example; None: by task (sparse categorical cross-entropy, or mse).
+      metrics: names or per-example functions; None: by task (accuracy, or mae).
+      optimizer: ``adam``, ``adamw``, ``sgd`` or a Keras optimizer made in the strategy scope.
+      learning_rate: for a named optimizer.
+      task: ``classification`` or ``regression``; None: integer labels classify.
+      strategy: ``auto``, ``default``, ``one_device``, ``mirrored``, ``multi_worker`` or a
+        ``tf.distribute.Strategy``.
+      cpu_replicas: split the CPU into this many logical devices (MirroredStrategy on CPU).
+      precision / xla: as the driver's ``--precision`` / ``--xla``.
+      grad_accum_steps: micro-batches per optimizer update.
+      steps_per_execution: micro-steps per compiled call, or ``auto``.
+      model_dir: checkpoints (a rerun resumes) and TensorBoard logs; None: a new temporary
+        directory.
+      checkpoint_every: updates between checkpoints (0: at the end).
+      log_every: micro-steps between logged metrics.
+      callbacks: ``keras.callbacks.Callback``s: ``on_train_begin``, ``on_epoch_end(epoch,
+        logs)`` with the training metrics, ``on_train_end`` with ``val_*`` added.
+
+    Returns:
+      The report: ``history`` (every log point), ``train_metrics``, ``eval_metrics``,
+      throughput, ``optimizer_updates``, the runtime and objectives chosen and why, the
+      ``model_dir``, and the trained ``model``.
+    """
+    import tensorflow as tf
+
+    from tfspeed import locks, objectives, trainer
+    from tfspeed.config import TrainConfig
+
+    if not isinstance(train, tf.data.Dataset):
+        raise UsageError(f"train must be a tf.data.Dataset of (x, y) batches, got "
+                         f"{type(train).__name__}")
+    if (epochs is None) == (steps is None):
+        raise UsageError("give tfspeed.fit either epochs= or steps=")
+    model_dir = model_dir or tempfile.mkdtemp(prefix="tfspeed-fit-")
+    os.makedirs(model_dir, exist_ok=True)
+    lock = locks.acquire(os.path.join(model_dir, locks.LOCK_FILE), f"model_dir={model_dir}",
+                         "wait for it to finish or stop it, or use another model_dir")
+    try:
+        rt = _runtime(strategy, cpu_replicas, precision, xla, model)
+        batch, per_epoch = _batch_and_epoch(train)
+        built = _build(model, rt, train)
+        config = TrainConfig(
+            epochs=epochs or 1, train_steps=steps or 0, learning_rate=learning_rate,
+            optimizer=optimizer if isinstance(optimizer, str) else "adam",
+            steps_per_execution=0 if steps_per_execution == "auto" else steps_per_execution,
+            grad_accum_steps=grad_accum_steps, checkpoint_every=checkpoint_every,
+            log_every=log_every).validate()
+        task = task or ("regression" if train.element_spec[1].dtype.is_floating
+                        else "classification")
+        goals = objectives.resolve(loss or "", metrics, task, built)
+        distribute = rt.strategy.experimental_distribute_dataset
+        data = distribute(train.repeat().rebatch(batch, drop_remainder=True))
+        result = trainer.fit(
+            built, data, distribute(validation) if validation is not None else None, config,
+            rt, steps_per_epoch=per_epoch, eval_steps=None, global_batch_size=batch,
+            model_dir=model_dir, objectives=goals, callbacks=callbacks,
+            optimizer=None if isinstance(optimizer, str) else optimizer)
+    finally:
+        lock.release()
+    return {**dataclasses.asdict(result), "runtime": rt.to_json(),
+            "objectives": goals.report, "model_dir": model_dir, "model": built}
+
+
+def _runtime(strategy, cpu_replicas: int, precision: str, xla: str, model):
+    """The Runtime: resolved from names, or around a strategy object."""
+    import keras
+
+    from tfspeed import runtime
+    from tfspeed.config import RuntimeConfig
+
+    built = isinstance(model, keras.Model)
+    if built:  # its layers have their dtypes already
+        precision = model.dtype_policy.name
+    if isinstance(strategy, str):
+        if built and strategy not in ("auto", "default"):
+            raise UsageError(f"strategy={strategy!r} needs the model built in its scope: pass "
+                             "a function that builds the model, and tfspeed calls it there")
+        config = RuntimeConfig(strategy="default" if built else strategy,
+                               cpu_replicas=cpu_replicas, precision=precision,
+                               xla=xla).validate()
+        return runtime.setup(config)
+    plan = runtime.resolve(RuntimeConfig(strategy="default", precision=precision,
+                                         xla=xla).validate(), runtime.detect_hardware())
+    plan = dataclasses.replace(plan, strategy=type(strategy).__name__,
+                               reasons={**plan.reasons, "strategy": "given"})
+    keras.mixed_precision.set_global_policy(plan.precision)
+    return runtime.Runtime(strategy=strategy, plan=plan)
+
+
+def _batch_and_epoch(train) -> tuple[int, int]:
+    """The global batch (the first batch's size) and the batches in one pass."""
+    import tensorflow as tf
+
+    first = next(iter(train))
+    batch = int(tf.shape(tf.nest.flatten(first[1])[0])[0])
+    count = int(train.cardinality())
+    if count == tf.data.INFINITE_CARDINALITY:
+        raise UsageError("train repeats forever: give tfspeed.fit steps= (updates), or a "
+                         "finite dataset with epochs=")
+    if count == tf.data.UNKNOWN_CARDINALITY:
+        count = int(train.reduce(0, lambda n, _: n + 1))  # one pass to count the batches
+    return batch, max(count, 1)
+
+
+def _build(model, rt, train):
+    """The model, built (called once on a batch) in the strategy's scope."""
+    import keras
+
+    if isinstance(model, keras.Model):
+        built = model
+    elif callable(model) and not inspect.signature(model).parameters:
+        with rt.strategy.scope():
+            built = model()
+        if not isinstance(built, keras.Model):
+            raise UsageError(f"the model function returned {type(built).__name__}, not a "
+                             "keras.Model")
+    else:
+        raise UsageError("model must be a keras.Model or a function of no arguments that "
+                         "builds one")
+    if not built.built:
+        x = next(iter(train))[0]
+        with rt.strategy.scope():
+            built(x)
+    return built
