@@ -1,15 +1,20 @@
-"""Training-step benchmark: plain Keras as a user writes it vs tfspeed, same model and data.
+"""Training-step benchmark: the main job as users run it vs plain Keras vs the in-graph ceiling.
 
-    python benchmarks/train_step.py [--workdir=/tmp/tfspeed-bench-train] [--steps=300]
+    python benchmarks/train_step.py [--workdir=/tmp/tfspeed-bench-train] [--repeats=3]
 
-Cases (each variant runs in its own process, so peak RSS belongs to it alone):
-  mlp:    a tiny MLP on the digits (Python-overhead bound): keras vs tfspeed auto;
-  cnn:    a small CNN on 32x32 RGB images: keras vs tfspeed auto;
-  accum:  tfspeed with grad_accum_steps=4 vs 1 at the same micro-batch (overhead of accumulation);
-  remat:  16 convs at 64x64 in 4 blocks, tfspeed with --remat vs without (peak memory saved).
-"Plain Keras" is compile() with its defaults plus fit() on the same tfspeed pipeline; tfspeed
-is ``tfspeed.train.run`` with strategy/precision/xla/steps_per_execution all on auto.
-Prints one JSON record with figures per variant and the ratios.
+Every figure comes from a separate process (so peak RSS is its own), in one run:
+  mlp:    the main job's command with --model=mlp --batch_size=32 --epochs=20 (auto settings;
+          run --repeats times: what auto chose each time), plain `model.fit(x, y,
+          batch_size=32)` of the same 256-256 MLP, and the in-graph ceiling: the split held
+          as tensors, one call per epoch of gather -> forward -> backward -> apply, no
+          metrics (float32 and mixed_bfloat16, the faster counts). Also the engine's
+          bookkeeping (metrics, wait meter, loss-scale and accumulation state) against that
+          bare loop: the engine on the same in-graph data, one epoch per call.
+  cnn:    the digits main job itself (pipelines/digits.flags, unchanged): input wait.
+  cnn32:  the small CNN on 32x32 crops of real photographs: plain fit vs tfspeed auto.
+  accum:  tfspeed with --grad_accum_steps=4 vs 1 at the same micro-batch (cnn32).
+  remat:  16 convs at 64x64 in 4 blocks, tfspeed with --remat vs without (peak memory).
+Prints one JSON record with the figures and the ratios.
 """
 
 from __future__ import annotations
@@ -23,126 +28,188 @@ import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
 
 _WORKDIR = flags.DEFINE_string("workdir", "/tmp/tfspeed-bench-train", "Data and runs.")
-_STEPS = flags.DEFINE_integer("steps", 300, "Training steps per variant (after warm-up).")
+_REPEATS = flags.DEFINE_integer("repeats", 3, "Runs of the MLP main job (auto's stability).")
 _VARIANT = flags.DEFINE_string("variant", "", "Internal: run one variant and print its JSON.")
 
-CASES = {
-    # name: (data, model, width, batch, steps as a multiple of --steps)
-    # The tiny MLP's steps take well under a millisecond: many more of them.
-    "mlp": ("digits", "mlp", 32, 32, 20.0),
-    "cnn": ("images32", "cnn", 32, 64, 1.0),
-    "accum": ("images32", "cnn", 32, 64, 1.0),
-    # Memory is the point here, and each step is heavy: fewer steps.
-    "remat": ("images64", "cnn_deep", 32, 64, 0.1),
-}
-VARIANTS = {
-    "mlp": ("keras", "tfspeed"),
-    "cnn": ("keras", "tfspeed"),
-    "accum": ("tfspeed_k1", "tfspeed_k4"),
-    "remat": ("tfspeed_noremat", "tfspeed_remat"),
-}
+MLP_JOB = ["--flagfile=pipelines/digits.flags", "--model=mlp", "--batch_size=32", "--epochs=20"]
 
 
 def prepare(workdir: str) -> dict[str, str]:
-    """Converts the benchmark datasets once (digits; random RGB images of 32 and 64 px)."""
-    from tfspeed.data.convert import convert
+    """Converts the digits and 32/64-px crops of real photographs (once)."""
+    from tfspeed import bench
+    from tfspeed.convert import convert
 
-    dirs = {}
-    for name, side in (("images32", 32), ("images64", 64)):
-        npz = os.path.join(workdir, f"{name}.npz")
-        if not os.path.exists(npz):
-            rng = np.random.default_rng(0)
-            x = rng.integers(0, 256, size=(4096, side, side, 3), dtype=np.uint8)
-            np.savez(npz, x=x, y=rng.integers(0, 10, size=4096))
-        dirs[name] = os.path.join(workdir, name)
-        convert(f"npz:{npz}", dirs[name], shards=8, validation_fraction=0.05)
-    dirs["digits"] = os.path.join(workdir, "digits")
-    convert("digits", dirs["digits"], shards=4)
+    dirs = {"digits": os.path.join(workdir, "digits")}
+    convert("digits", dirs["digits"])
+    for side in (32, 64):
+        photos = os.path.join(workdir, f"photos{side}")
+        bench.make_photos(photos, 4096, 10, sides=(2 * side, 3 * side))
+        dirs[f"photos{side}"] = os.path.join(workdir, f"data{side}")
+        convert(f"imagefolder:{photos}", dirs[f"photos{side}"], image_size=side,
+                validation_fraction=0.05)
     return dirs
 
 
-def run_keras(data_dir: str, model_name: str, width: int, batch: int, steps: int) -> dict:
-    """What a user writes: compile() defaults, fit() on the same pipeline."""
+def arrays(data_dir: str):
+    """The train split as float32 arrays in [0, 1] and int labels (what `fit` users hold)."""
+    import numpy as np
+
+    import tfspeed.data
+
+    xs, ys = zip(*((x.numpy(), y.numpy()) for x, y in
+                   tfspeed.data.build(data_dir, "train", 256, cache="none")), strict=True)
+    return np.concatenate(xs), np.concatenate(ys)
+
+
+def run_fit(data_dir: str, model_name: str, batch: int, epochs: int) -> dict:
+    """Plain Keras: compile() defaults, fit() on the arrays."""
     import keras
 
     import tfspeed.data
     from tfspeed import models
     from tfspeed.config import ModelConfig
-    from tfspeed.data import pipeline
 
+    x, y = arrays(data_dir)
     schema = tfspeed.data.read_schema(data_dir)
-    config = tfspeed.data.DataConfig(data_dir=data_dir, batch_size=batch)
-    ds = tfspeed.data.build(data_dir, "train", batch, training=True)
-    model = models.build(ModelConfig(name=model_name, width=width),
-                         pipeline.input_shape(schema, config), schema.num_classes)
+    model = models.build(ModelConfig(name=model_name), x.shape[1:], schema.num_classes)
     model.compile(optimizer=keras.optimizers.Adam(1e-3),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   metrics=["accuracy"])
+    seconds = []
 
     class EpochTimer(keras.callbacks.Callback):
-        def __init__(self):
-            super().__init__()
-            self.seconds = []
-
         def on_epoch_begin(self, epoch, logs=None):
             self.start = time.perf_counter()
 
         def on_epoch_end(self, epoch, logs=None):
-            self.seconds.append(time.perf_counter() - self.start)
+            seconds.append(time.perf_counter() - self.start)
 
-    timer = EpochTimer()
-    per_epoch = max(steps // 4, 1)
-    model.fit(ds, epochs=5, steps_per_epoch=per_epoch, callbacks=[timer], verbose=0)
-    step_s = statistics.median(timer.seconds[1:]) / per_epoch  # epoch 1 holds tracing
-    return {"examples_per_sec": batch / step_s, "step_time_ms": 1000 * step_s,
-            "jit_compile": str(model.jit_compile)}
+    model.fit(x, y, batch_size=batch, epochs=epochs, callbacks=[EpochTimer()], verbose=0)
+    steps = len(x) // batch + (len(x) % batch > 0)
+    step_s = statistics.median(seconds[1:]) / steps  # epoch 1 holds tracing
+    return {"examples_per_sec": batch / step_s, "step_time_ms": 1000 * step_s}
 
 
-def run_tfspeed(data_dir: str, model_name: str, width: int, batch: int, steps: int,
-                accum: int = 1, remat: bool = False, steps_per_execution: int = 0) -> dict:
-    from tfspeed.config import Config, DataConfig, ModelConfig, RuntimeConfig, TrainConfig
+def run_ceiling(data_dir: str, batch: int) -> dict:
+    """The in-graph loop without metrics, and the engine on the same in-graph data."""
+    import keras
+    import tensorflow as tf
+
+    import tfspeed.data
+    from tfspeed import models, runtime, trainer
+    from tfspeed.config import ModelConfig, RuntimeConfig, TrainConfig
+    from tfspeed.data import ingraph
+
+    schema = tfspeed.data.read_schema(data_dir)
+    source = ingraph.load(tfspeed.data.DataConfig(data_dir=data_dir, batch_size=batch), schema,
+                          "train", global_batch_size=batch)
+    per_epoch = source.num_records // batch
+    figures = {}
+    for policy in ("float32", "mixed_bfloat16"):
+        keras.mixed_precision.set_global_policy(policy)
+        keras.utils.set_random_seed(0)
+        model = models.build(ModelConfig(name="mlp"), (8, 8, 1), 10)
+        optimizer = keras.optimizers.Adam(1e-3)
+        optimizer.build(model.trainable_variables)
+        x = tf.cast(source.inputs, tf.float32) / 255
+
+        @tf.function
+        def epoch(model=model, optimizer=optimizer, x=x):
+            order = tf.random.shuffle(tf.range(source.num_records))
+            for i in tf.range(per_epoch):
+                rows = order[i * batch:(i + 1) * batch]
+                with tf.GradientTape() as tape:
+                    logits = model(tf.gather(x, rows), training=True)
+                    loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(
+                        tf.gather(source.labels, rows), logits, from_logits=True))
+                grads = tape.gradient(loss, model.trainable_variables)
+                optimizer.apply_gradients(zip(grads, model.trainable_variables))
+            return loss
+
+        figures[f"ceiling_{policy}"] = _best_rate(lambda: epoch().numpy(), per_epoch * batch)
+        rt = runtime.setup(RuntimeConfig(strategy="default", precision=policy, xla="off"))
+        engine = trainer.make_engine(
+            models.build(ModelConfig(name="mlp"), (8, 8, 1), 10), TrainConfig(), rt, batch,
+            10**6, preprocess=lambda v: tf.cast(v, tf.float32) * (1 / 255))
+        figures[f"engine_{policy}"] = _best_rate(
+            lambda e=engine: e.train(source, per_epoch)["loss"].numpy(), per_epoch * batch)
+    return {"examples_per_sec": max(figures["ceiling_float32"], figures["ceiling_mixed_bfloat16"]),
+            **figures}
+
+
+def _best_rate(call, examples: int, rounds: int = 7) -> float:
+    call()  # trace
+    best = 0.0
+    for _ in range(rounds):
+        start = time.perf_counter()
+        call()
+        best = max(best, examples / (time.perf_counter() - start))
+    return best
+
+
+def run_job(args: list[str], model_dir: str) -> dict:
+    """The driver's command line, as a user runs it; its report.json."""
+    import shutil
+
+    shutil.rmtree(model_dir, ignore_errors=True)
+    from tfspeed import flags as tfspeed_flags
     from tfspeed.train import run
 
-    config = Config(
-        data=DataConfig(data_dir=data_dir, batch_size=batch, eval_split=""),
-        model=ModelConfig(name=model_name, width=width, remat=remat),
-        runtime=RuntimeConfig(strategy="auto", precision="auto", xla="auto"),
-        train=TrainConfig(train_steps=(steps + steps // 4) // accum, grad_accum_steps=accum,
-                          steps_per_execution=steps_per_execution,
-                          log_every=max(steps // 6, 5)),
-        model_dir=os.path.join(_WORKDIR.value, "runs", f"{model_name}-{accum}-{remat}-{time.time()}"),
-    ).validate()
-    report = run(config)
-    return {"examples_per_sec": report["examples_per_sec"], "step_time_ms": report["step_time_ms"],
-            "precision": report["runtime"]["precision"], "xla": report["runtime"]["xla"],
-            "steps_per_execution": report["steps_per_execution"]}
+    tfspeed_flags.parse(["tfspeed.train", *args, f"--model_dir={model_dir}"])
+    report = run(tfspeed_flags.to_config())
+    return {"examples_per_sec": report["examples_per_sec"],
+            "step_time_ms": report["step_time_ms"], "input_wait_pct": report["input_wait_pct"],
+            "eval_accuracy": report["eval_accuracy"],
+            "precision": report["runtime"]["precision"],
+            "precision_reason": report["runtime"]["reasons"]["precision"],
+            "steps_per_execution": report["steps_per_execution"],
+            "placement": report["input"]["placement"]["where"]}
 
 
-def run_variant(case: str, variant: str) -> dict:
+def run_variant(name: str) -> dict:
     import resource
 
-    from tfspeed import models
-
-    models.MODELS.setdefault("cnn_deep", _deep_cnn)
-    data, model, width, batch, fraction = CASES[case]
-    data_dir = os.path.join(_WORKDIR.value, data)
-    steps = max(int(_STEPS.value * fraction), 30)  # fraction: steps relative to --steps
-    if variant == "keras":
-        figures = run_keras(data_dir, model, width, batch, steps)
+    work = _WORKDIR.value
+    dirs = {k: os.path.join(work, v) for k, v in
+            (("digits", "digits"), ("photos32", "data32"), ("photos64", "data64"))}
+    runs = os.path.join(work, "runs")
+    case, _, variant = name.partition("/")
+    if case == "mlp" and variant == "fit":
+        figures = run_fit(dirs["digits"], "mlp", 32, 20)
+    elif case == "mlp" and variant == "ceiling":
+        figures = run_ceiling(dirs["digits"], 32)
+    elif case == "mlp":
+        figures = run_job([*MLP_JOB, f"--data_dir={dirs['digits']}"], os.path.join(runs, name))
+    elif case == "cnn":
+        figures = run_job(["--flagfile=pipelines/digits.flags", f"--data_dir={dirs['digits']}"],
+                          os.path.join(runs, "cnn"))
+    elif case == "cnn32" and variant == "fit":
+        figures = run_fit(dirs["photos32"], "cnn", 64, 6)
     else:
-        # The accumulation pair shares one steps_per_execution, so only K differs.
-        figures = run_tfspeed(data_dir, model, width, batch, steps,
-                              accum=4 if variant == "tfspeed_k4" else 1,
-                              remat=variant == "tfspeed_remat",
-                              steps_per_execution=4 if case == "accum" else 0)
+        figures = run_job(_tfspeed_args(case, variant, dirs), os.path.join(runs, name))
     figures["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return figures
+
+
+def _tfspeed_args(case: str, variant: str, dirs: dict) -> list[str]:
+    common = ["--eval_split=", "--log_every=25"]
+    if case == "cnn32":
+        return [f"--data_dir={dirs['photos32']}", "--model=cnn", "--batch_size=64",
+                "--epochs=6", *common]
+    if case == "accum":
+        k = 4 if variant == "k4" else 1
+        return [f"--data_dir={dirs['photos32']}", "--model=cnn", "--batch_size=64",
+                f"--grad_accum_steps={k}", f"--train_steps={240 // k}",
+                "--steps_per_execution=4", *common]
+    return [f"--data_dir={dirs['photos64']}", "--model=cnn_deep", "--batch_size=64",  # remat
+            f"--remat={variant == 'remat'}", "--train_steps=30", "--steps_per_execution=5",
+            "--log_every=5", "--eval_split="]
 
 
 def _deep_cnn(config, input_shape, num_classes):
@@ -165,35 +232,49 @@ def _deep_cnn(config, input_shape, num_classes):
 def main(argv):
     del argv
     if _VARIANT.value:
-        case, variant = _VARIANT.value.split(":")
-        print("RESULT " + json.dumps(run_variant(case, variant)))
+        from tfspeed import models
+
+        models.MODELS.setdefault("cnn_deep", _deep_cnn)
+        print("RESULT " + json.dumps(run_variant(_VARIANT.value)))
         return
     from tfspeed import bench
 
     os.makedirs(_WORKDIR.value, exist_ok=True)
     prepare(_WORKDIR.value)
-    figures = {}
-    for case, variants in VARIANTS.items():
-        for variant in variants:
-            proc = subprocess.run(
-                [sys.executable, __file__, f"--variant={case}:{variant}",
-                 f"--workdir={_WORKDIR.value}", f"--steps={_STEPS.value}"],
-                capture_output=True, text=True, check=False)
-            lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-            if proc.returncode or not lines:
-                raise SystemExit(f"{case}:{variant} failed:\n{proc.stderr[-3000:]}")
-            figures[f"{case}/{variant}"] = json.loads(lines[-1][len("RESULT "):])
+    names = ([f"mlp/job{i}" for i in range(_REPEATS.value)]
+             + ["mlp/fit", "mlp/ceiling", "cnn/job", "cnn32/fit", "cnn32/tfspeed", "accum/k1",
+                "accum/k4", "remat/plain", "remat/remat"])
+    figures = {name: _subprocess(name) for name in names}
     eps = {name: f["examples_per_sec"] for name, f in figures.items()}
+    mlp = statistics.median(eps[f"mlp/job{i}"] for i in range(_REPEATS.value))
+    ceiling = figures["mlp/ceiling"]
     ratios = {
-        "mlp tfspeed/keras": eps["mlp/tfspeed"] / eps["mlp/keras"],
-        "cnn tfspeed/keras": eps["cnn/tfspeed"] / eps["cnn/keras"],
-        "accum k4/k1 throughput": eps["accum/tfspeed_k4"] / eps["accum/tfspeed_k1"],
-        "remat peak_rss remat/noremat": figures["remat/tfspeed_remat"]["peak_rss_mb"]
-        / figures["remat/tfspeed_noremat"]["peak_rss_mb"],
-        "remat throughput remat/noremat": eps["remat/tfspeed_remat"] / eps["remat/tfspeed_noremat"],
+        "mlp job/ceiling": mlp / eps["mlp/ceiling"],
+        "mlp job/fit": mlp / eps["mlp/fit"],
+        "mlp engine/bare loop float32 (bookkeeping)": (ceiling["engine_float32"]
+                                                       / ceiling["ceiling_float32"]),
+        "cnn32 tfspeed/fit": eps["cnn32/tfspeed"] / eps["cnn32/fit"],
+        "accum k4/k1 throughput": eps["accum/k4"] / eps["accum/k1"],
+        "remat peak_rss remat/plain": (figures["remat/remat"]["peak_rss_mb"]
+                                       / figures["remat/plain"]["peak_rss_mb"]),
+        "remat throughput remat/plain": eps["remat/remat"] / eps["remat/plain"],
     }
-    config = {"steps": _STEPS.value, "cases": {k: list(v[:4]) for k, v in CASES.items()}}
+    config = {"mlp_job": " ".join(MLP_JOB), "repeats": _REPEATS.value,
+              "auto_chose": [(figures[f"mlp/job{i}"]["steps_per_execution"]["value"],
+                              figures[f"mlp/job{i}"]["precision"])
+                             for i in range(_REPEATS.value)],
+              "photos": "crops of scikit-learn/scikit-image samples, stored at 32/64 px"}
     print(json.dumps(bench.record("train_step", config, figures, ratios), indent=2))
+
+
+def _subprocess(name: str) -> dict:
+    proc = subprocess.run([sys.executable, __file__, f"--variant={name}",
+                           f"--workdir={_WORKDIR.value}"], capture_output=True, text=True,
+                          check=False, cwd=REPO)
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    if proc.returncode or not lines:
+        raise SystemExit(f"{name} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(lines[-1][len("RESULT "):])
 
 
 if __name__ == "__main__":

@@ -40,11 +40,13 @@ def run(config, options: Options = Options()) -> dict:  # noqa: B008 -- frozen
 
     # It trains the model and writes into --model_dir: it holds the run's lock too, so a
     # training run and a diagnosis on one directory never overwrite each other.
-    job = train.prepare(config)
+    with train.data_errors(config.data.data_dir):
+        job = train.prepare(config)
     out_dir = os.path.join(config.model_dir, "diagnose")
     try:
         os.makedirs(out_dir, exist_ok=True)
-        figures = measure(job, options, out_dir)
+        with train.data_errors(config.data.data_dir):
+            figures = measure(job, options, out_dir)
         result = {**figures, **decide(job, figures)}
         with open(os.path.join(out_dir, "diagnose.json"), "w") as f:
             json.dump(result, f, indent=2)

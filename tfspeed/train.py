@@ -5,6 +5,7 @@ Kept thin on purpose: parse flags into a Config, then ``run(config)``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import sys
@@ -189,24 +190,45 @@ def run(config: Config) -> dict:
     Returns:
       The report dict: evaluation metrics, throughput, updates, resolved settings.
     """
-    job = prepare(config)
+    with data_errors(config.data.data_dir):
+        job = prepare(config)  # an in-graph input reads its split here already
     try:
         return _train_and_report(job)
     finally:
         job.release()
 
 
-def _train_and_report(job: Job) -> dict:
+@contextlib.contextmanager
+def data_errors(data_dir: str):
+    """Turns a data problem the user must fix, met by TensorFlow while reading, into one line
+    (a corrupt shard under --on_corrupt=fail, labels the schema disagrees with, a record that
+    does not parse)."""
     import tensorflow as tf
+
+    from tfspeed.data import pipeline
+
+    try:
+        yield
+    except tf.errors.OpError as e:
+        message = pipeline.user_error(e)
+        if message is None and _PARSE_FAILURE in str(e.message):
+            message = (f"a record in {data_dir} has a valid checksum but does not parse as "
+                       f"this schema's tf.train.Example; repair with `python -m tfspeed.verify "
+                       f"{data_dir} --repair`")
+        if message is None:
+            raise
+        raise UsageError(message.removeprefix("tfspeed: ")) from None
+
+
+def _train_and_report(job: Job) -> dict:
 
     from tfspeed import report, trainer
     from tfspeed.data import cache as data_cache
-    from tfspeed.data import pipeline
 
     config = job.config
     model, rt, schema, data = job.model, job.runtime, job.schema, config.data
     num_train, input_shape, prepare_seconds = job.num_train, job.input_shape, job.prepare_seconds
-    try:
+    with data_errors(data.data_dir):
         result = trainer.fit(
             model, job.train_data, job.eval_data, config.train, rt,
             steps_per_epoch=job.steps_per_epoch,
@@ -216,15 +238,6 @@ def _train_and_report(job: Job) -> dict:
             preprocess=job.preprocess,
             objectives=job.objectives,
         )
-    except tf.errors.OpError as e:
-        message = pipeline.user_error(e)  # a data problem the user must fix, said in one line
-        if message is None and _PARSE_FAILURE in str(e.message):
-            message = (f"a record in {data.data_dir} has a valid checksum but does not parse as "
-                       f"this schema's tf.train.Example; repair with `python -m tfspeed.verify "
-                       f"{data.data_dir} --repair`")
-        if message is None:
-            raise
-        raise UsageError(message.removeprefix("tfspeed: ")) from None
     data_cache.seal_built()  # caches this run finished: the next run checks their checksums
     weights = weights_sha256(model)
     service_counts = _service_report(data, rt)  # before the chief/others split: collectives
