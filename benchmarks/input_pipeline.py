@@ -24,8 +24,8 @@ from absl import app, flags  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tfspeed import bench  # noqa: E402
 from tfspeed.bench import make_photos  # noqa: E402
+from tfspeed.convert import convert  # noqa: E402
 from tfspeed.data import build  # noqa: E402
-from tfspeed.data.convert import convert  # noqa: E402
 
 _IMAGES = flags.DEFINE_integer("images", 2000, "JPEG photos to generate.")
 _CLASSES = flags.DEFINE_integer("classes", 4, "Class folders.")

@@ -51,7 +51,7 @@ VARIANTS = {
 
 def prepare(workdir: str) -> dict[str, str]:
     """Converts the benchmark datasets once (digits; random RGB images of 32 and 64 px)."""
-    from tfspeed.data.convert import convert
+    from tfspeed.convert import convert
 
     dirs = {}
     for name, side in (("images32", 32), ("images64", 64)):

@@ -10,9 +10,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from tfspeed.convert import convert, run, writer
 from tfspeed.data import schema as schema_lib
-from tfspeed.data import writer
-from tfspeed.data.convert import convert, run
 
 TWO_PROCESSES = "--direct_num_workers=2 --direct_running_mode=multi_processing"
 

@@ -13,9 +13,8 @@ import pytest
 import tensorflow as tf
 from PIL import Image
 
+from tfspeed.convert import convert, writer
 from tfspeed.data import schema as schema_lib
-from tfspeed.data import writer
-from tfspeed.data.convert import convert
 from tfspeed.errors import UsageError
 
 # ---------------------------------------------------------------- helpers
@@ -437,7 +436,7 @@ def test_validation_fraction_zero_gives_train_only(tmp_path):
 
 
 def test_encode_image_is_deterministic_and_flattens_modes():
-    from tfspeed.data.sources import encode_image
+    from tfspeed.convert.sources import encode_image
 
     buffer = io.BytesIO()
     Image.fromarray(_pixels(9, 7, 4)).save(buffer, "PNG")

@@ -11,8 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tfspeed.data import writer
-from tfspeed.data.convert import convert, run
+from tfspeed.convert import convert, run, writer
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "to_tfrecord.py"
 

@@ -27,7 +27,7 @@ TOLERANCE = 1e-5
 @pytest.fixture(scope="module")
 def four_shards(tmp_path_factory) -> str:
     """64 records in 4 equal shards: 2 workers each read 2 whole shards (sharded by file)."""
-    from tfspeed.data.convert import convert
+    from tfspeed.convert import convert
 
     rng = np.random.default_rng(3)
     y = rng.integers(0, 3, size=64)

@@ -89,7 +89,7 @@ def convert_main() -> None:
     # oneDNN banner on stderr. The caller's setting wins.
     os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
     import_tensorflow_quietly()
-    from tfspeed.data.convert import run
+    from tfspeed.convert import run
 
     run()
 

@@ -19,7 +19,7 @@ _SPLIT_ORDER = ("train", "validation", "test")
 
 @dataclasses.dataclass(frozen=True)
 class SourceOptions:
-    """The converter options that shape the records (see `tfspeed.data.convert.convert`)."""
+    """The converter options that shape the records (see `tfspeed.convert.convert`)."""
 
     image_format: str = "jpeg"
     image_max_side: int = 0

@@ -20,9 +20,9 @@ import shlex
 from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol
 
-from tfspeed.data import writer
+from tfspeed.convert import writer
+from tfspeed.convert.sources import Chunk
 from tfspeed.data.schema import Schema
-from tfspeed.data.sources import Chunk
 from tfspeed.errors import UsageError
 
 RUNNERS = ("local", "beam")

@@ -14,7 +14,7 @@ the shards the plan records whose sha256 still matches, deletes everything else 
 (temporary files, unrecorded shards) and writes what is missing. Records are deterministic,
 so the result is byte-identical to an uninterrupted run.
 
-Who calls `write_shard` is a runner (`tfspeed.data.runners`): this process, a spawned pool
+Who calls `write_shard` is a runner (`tfspeed.convert.runners`): this process, a spawned pool
 (`write_shards`) or an Apache Beam pipeline; every runner records each shard in the `Plan`.
 """
 
@@ -34,8 +34,8 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 
 from absl import logging
 
+from tfspeed.convert.sources import Chunk, Skip
 from tfspeed.data import schema as schema_lib
-from tfspeed.data.sources import Chunk, Skip
 from tfspeed.errors import UsageError
 
 PLAN_FILE = ".tfspeed-plan.jsonl"

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 from absl import flags, logging
 
-from tfspeed.data import runners, sources, writer
+from tfspeed.convert import runners, sources, writer
 from tfspeed.data.schema import Schema, Split, names_of
 from tfspeed.errors import UsageError, exit_on_usage_error
 

@@ -10,7 +10,7 @@ import struct
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
-from tfspeed.data.sources.base import Skip
+from tfspeed.convert.sources.base import Skip
 
 JPEG_QUALITY = 95  # fixed, so re-encoded images are byte-identical run to run
 _PIL_FORMATS = {"jpeg": "JPEG", "png": "PNG"}

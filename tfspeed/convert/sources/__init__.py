@@ -19,17 +19,17 @@ from __future__ import annotations
 
 import os
 
-from tfspeed.data.sources.arrays import ArrayChunk
-from tfspeed.data.sources.base import Chunk, Skip, Source, SourceOptions
-from tfspeed.data.sources.encoding import JPEG_QUALITY, encode_array, encode_image
-from tfspeed.data.sources.images import (
+from tfspeed.convert.sources.arrays import ArrayChunk
+from tfspeed.convert.sources.base import Chunk, Skip, Source, SourceOptions
+from tfspeed.convert.sources.encoding import JPEG_QUALITY, encode_array, encode_image
+from tfspeed.convert.sources.images import (
     IMAGE_EXTENSIONS,
     ImageFilesChunk,
     open_digits,
     open_imagefolder,
 )
-from tfspeed.data.sources.tables import open_csv, open_npz
-from tfspeed.data.sources.tfds import TfdsChunk, open_tfds
+from tfspeed.convert.sources.tables import open_csv, open_npz
+from tfspeed.convert.sources.tfds import TfdsChunk, open_tfds
 from tfspeed.errors import UsageError
 
 __all__ = [

@@ -10,9 +10,8 @@ from collections.abc import Iterable, Iterator
 
 import numpy as np
 
-from tfspeed.data.schema import Feature
-from tfspeed.data.sources.arrays import array_source
-from tfspeed.data.sources.base import (
+from tfspeed.convert.sources.arrays import array_source
+from tfspeed.convert.sources.base import (
     LABEL,
     Chunk,
     Skip,
@@ -22,7 +21,8 @@ from tfspeed.data.sources.base import (
     ordered_splits,
     train_validation,
 )
-from tfspeed.data.sources.encoding import image_or_skip
+from tfspeed.convert.sources.encoding import image_or_skip
+from tfspeed.data.schema import Feature
 from tfspeed.errors import UsageError
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff")

@@ -7,8 +7,7 @@ import functools
 import os
 from collections.abc import Iterator
 
-from tfspeed.data.schema import Feature
-from tfspeed.data.sources.base import (
+from tfspeed.convert.sources.base import (
     LABEL,
     Skip,
     Source,
@@ -16,7 +15,8 @@ from tfspeed.data.sources.base import (
     content_hash,
     ordered_splits,
 )
-from tfspeed.data.sources.encoding import image_or_skip
+from tfspeed.convert.sources.encoding import image_or_skip
+from tfspeed.data.schema import Feature
 from tfspeed.errors import UsageError
 
 

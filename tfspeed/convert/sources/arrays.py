@@ -7,8 +7,7 @@ from collections.abc import Iterator, Mapping, Sequence
 
 import numpy as np
 
-from tfspeed.data.schema import Feature, standardize_stats
-from tfspeed.data.sources.base import (
+from tfspeed.convert.sources.base import (
     LABEL,
     Chunk,
     Skip,
@@ -16,7 +15,8 @@ from tfspeed.data.sources.base import (
     SourceOptions,
     train_validation,
 )
-from tfspeed.data.sources.encoding import encode_array
+from tfspeed.convert.sources.encoding import encode_array
+from tfspeed.data.schema import Feature, standardize_stats
 
 
 @dataclasses.dataclass(frozen=True)
