@@ -3,7 +3,8 @@
     from tfspeed.convert import convert
     convert("imagefolder:/data/photos", "data/photos", image_max_side=256)
 
-  converter.py  convert() and its command line (scripts/to_tfrecord.py, tfspeed-convert)
+  converter.py  convert(): source -> shards -> schema.json
+  cli.py        its command line (scripts/to_tfrecord.py, tfspeed-convert)
   runners.py    who writes the shards: this machine (a process pool) or an Apache Beam pipeline
   writer.py     shard planning, atomic shard writing, the resumable plan
   sources/      the source kinds (imagefolder, csv, npz, tfds, digits) and image encoding
@@ -21,8 +22,9 @@ import importlib
 _LAZY = {
     "convert": "tfspeed.convert.converter",
     "ConvertResult": "tfspeed.convert.converter",
-    "main": "tfspeed.convert.converter",
-    "run": "tfspeed.convert.converter",
+    "main": "tfspeed.convert.cli",
+    "run": "tfspeed.convert.cli",
+    "summary_line": "tfspeed.convert.cli",
 }
 
 __all__ = sorted(_LAZY)
