@@ -63,24 +63,6 @@ class Feature:
     def is_image(self) -> bool:
         return self.encoding in ("jpeg", "png")
 
-    def to_proto(self, value: Any):
-        """Encodes one value (bytes for images, an array-like otherwise) as a tf.train.Feature."""
-        import tensorflow as tf
-
-        if self.is_image:
-            return tf.train.Feature(bytes_list=tf.train.BytesList(value=[bytes(value)]))
-        array = np.asarray(value, dtype=self.dtype)
-        if array.shape != tuple(self.shape):
-            raise ValueError(
-                f"feature {self.name!r}: value of shape {array.shape}, schema says {self.shape}"
-            )
-        if self.encoding == "raw":
-            raw = array.astype(array.dtype.newbyteorder("<")).tobytes()
-            return tf.train.Feature(bytes_list=tf.train.BytesList(value=[raw]))
-        if self.encoding == "float":
-            return tf.train.Feature(float_list=tf.train.FloatList(value=array.ravel().tolist()))
-        return tf.train.Feature(int64_list=tf.train.Int64List(value=array.ravel().tolist()))
-
     def parse_spec(self):
         """The ``tf.io.FixedLenFeature`` that parses this feature (before decoding)."""
         import tensorflow as tf
@@ -189,16 +171,6 @@ class Schema:
     def parse_spec(self) -> dict:
         """The feature spec for ``tf.io.parse_example`` / ``parse_single_example``."""
         return {name: f.parse_spec() for name, f in self.features.items()}
-
-    def serialize(self, values: Mapping[str, Any]) -> bytes:
-        """Encodes one record (a dict feature name -> value) as a serialized tf.train.Example."""
-        import tensorflow as tf
-
-        feature = {name: self.features[name].to_proto(v) for name, v in values.items()}
-        example = tf.train.Example(features=tf.train.Features(feature=feature))
-        # deterministic: map order otherwise follows the process's string hash seed, and the
-        # same conversion must give byte-identical shards in every process.
-        return example.SerializeToString(deterministic=True)
 
     def to_json(self) -> dict:
         return {
