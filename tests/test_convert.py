@@ -419,8 +419,12 @@ def test_shard_counts_and_tasks():
     est = {"train": 300 << 20, "validation": 30 << 20, "test": 1}
     assert writer.shard_counts(sizes, est, 8, 128) == {"train": 8, "validation": 1, "test": 1}
     assert writer.shard_counts(sizes, est, 500, 128) == {"train": 100, "validation": 10, "test": 3}
-    assert writer.shard_counts(sizes, est, 0, 128) == {"train": 3, "validation": 1, "test": 1}
+    # Automatic: at least 16 train shards, or ~target_shard_mb each if that gives more.
+    assert writer.shard_counts(sizes, est, 0, 128) == {"train": 16, "validation": 2, "test": 1}
     assert writer.shard_counts(sizes, est, 0, 10) == {"train": 30, "validation": 3, "test": 1}
+    assert writer.shard_counts({"train": 5, "test": 2}, est, 0, 128) == {"train": 5, "test": 2}
+    no_train = {"test": 40, "extra": 400}
+    assert writer.shard_counts(no_train, {"extra": 1}, 0, 128) == {"test": 2, "extra": 16}
     tasks = writer.plan_tasks({"train": 10, "test": 3}, {"train": 3, "test": 1})
     assert [(t.file, t.start, t.stop) for t in tasks] == [
         ("train-00000-of-00003.tfrecord", 0, 3),

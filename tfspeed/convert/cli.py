@@ -31,7 +31,8 @@ _OUTPUT = flags.DEFINE_string(
 _SHARDS = flags.DEFINE_integer(
     "shards",
     0,
-    "Shards of the train split (others proportionally); 0 = automatic.",
+    "Shards of the train split (others proportionally); 0 = automatic: 16, or about "
+    "--target_shard_mb each, whichever gives more.",
     flag_values=_FLAGS,
 )
 _TARGET_SHARD_MB = flags.DEFINE_float(

@@ -67,7 +67,9 @@ def convert(
     Args:
       source: ``imagefolder:PATH``, ``csv:PATH``, ``npz:PATH``, ``tfds:NAME`` or ``digits``.
       output: the output directory (created if missing).
-      shards: shards of the train split (other splits proportionally fewer); 0 = automatic.
+      shards: shards of the train split (other splits proportionally fewer); 0 = automatic:
+        16 (parallel reads, files to split over training workers) or ``target_shard_mb``
+        per shard, whichever gives more.
       target_shard_mb: the shard size aimed at when ``shards`` is 0.
       validation_fraction: share of a split-less source held out as ``validation``, in [0, 1).
       seed: seeds the train/validation split and the order of records within each split.
@@ -211,7 +213,7 @@ def _check_options(
 ) -> None:
     """Raises a UsageError naming the first bad option value."""
     problems = [
-        (shards < 0, f"--shards={shards}: must be >= 0 (0 = from --target_shard_mb)"),
+        (shards < 0, f"--shards={shards}: must be >= 0 (0 = automatic)"),
         (not target_shard_mb > 0, f"--target_shard_mb={target_shard_mb}: must be > 0"),
         (not 0 <= o.validation_fraction < 1, f"--validation_fraction={o.validation_fraction}: "
          "must be in [0, 1), e.g. 0.1"),

@@ -45,6 +45,9 @@ from tfspeed.data import schema as schema_lib
 from tfspeed.errors import UsageError
 
 PLAN_FILE = ".tfspeed-plan.jsonl"
+# The automatic shard count of the train split, at least: enough files for parallel reads
+# (interleave) and for splitting by file over 8+ training workers.
+MIN_SHARDS = 16
 # Temporary files of ours: shards, plan rewrites, schema.json rewrites (write_json_atomic).
 _TEMP = re.compile(r"^(\..+\.tfrecord|\.tfspeed-plan\.jsonl|schema\.json)\.tmp-\d+$")
 
@@ -81,19 +84,19 @@ def shard_counts(
     Args:
       sizes: split -> number of items.
       split_bytes: split -> estimated bytes, used when ``shards`` is 0.
-      shards: shards of the train split (others get proportionally fewer); 0 = automatic,
-        about ``target_shard_mb`` per shard.
+      shards: shards of the train split (the largest split if there is no train split);
+        the others get proportionally fewer. 0 = automatic: `MIN_SHARDS`, or about
+        ``target_shard_mb`` per shard, whichever gives more.
       target_shard_mb: the shard size the automatic count aims at.
 
     Returns:
       split -> shard count.
     """
+    reference = "train" if "train" in sizes else max(sizes, key=sizes.get)
     if shards == 0:
-        target = target_shard_mb * 2**20
-        counts = {s: math.ceil(split_bytes[s] / target) for s in sizes}
-    else:
-        reference = "train" if "train" in sizes else max(sizes, key=sizes.get)
-        counts = {s: round(shards * n / sizes[reference]) for s, n in sizes.items()}
+        by_size = math.ceil(split_bytes[reference] / (target_shard_mb * 2**20))
+        shards = max(MIN_SHARDS, by_size)
+    counts = {s: round(shards * n / sizes[reference]) for s, n in sizes.items()}
     return {s: min(max(c, 1), sizes[s]) for s, c in counts.items()}
 
 
