@@ -1,7 +1,7 @@
 """The converter's command line: converts a dataset into TFRecord shards plus ``schema.json``.
 
   python scripts/to_tfrecord.py --source=digits --output=data/digits
-  python scripts/to_tfrecord.py --source=imagefolder:/data/photos --output=/data/tfr --workers=8
+  python scripts/to_tfrecord.py --source=imagefolder:/data/photos --output=/data/tfr --image_size=224
   python scripts/to_tfrecord.py --source=imagefolder:/data/photos --output=/data/tfr --runner=beam \
       --beam_options="--direct_num_workers=8 --direct_running_mode=multi_processing"
 
@@ -67,14 +67,35 @@ _BEAM_OPTIONS = flags.DEFINE_string(
     '"--runner=FlinkRunner --flink_master=host:8081".',
     flag_values=_FLAGS,
 )
+_IMAGE_SIZE = flags.DEFINE_integer(
+    "image_size",
+    0,
+    "Store images ready for N x N training: the pixels tf.image.resize(decode_jpeg(...), "
+    "[N, N]) gives (bilinear, aspect squashed); 0 = keep the sizes.",
+    flag_values=_FLAGS,
+)
 _IMAGE_MAX_SIDE = flags.DEFINE_integer(
     "image_max_side",
     0,
-    "Shrink images so the long side is at most this; 0 = keep.",
+    "Shrink images so the long side is at most this, aspect kept (for random-resized "
+    "crops); 0 = keep. Not with --image_size.",
     flag_values=_FLAGS,
 )
 _IMAGE_FORMAT = flags.DEFINE_enum(
-    "image_format", "jpeg", ["jpeg", "png"], "Encoding of stored images.", flag_values=_FLAGS
+    "image_format",
+    "auto",
+    ["auto", *sources.FORMATS],
+    "How images are stored: raw (uint8 pixels; needs one image size), jpeg (quality "
+    f"{sources.JPEG_QUALITY}), png, or auto: raw where reading it is measured faster than "
+    "decoding JPEG and it fits --raw_budget_mb, else jpeg.",
+    flag_values=_FLAGS,
+)
+_RAW_BUDGET_MB = flags.DEFINE_float(
+    "raw_budget_mb",
+    None,
+    "Largest dataset (MB, stored raw) that --image_format=auto stores raw "
+    "(default: a quarter of this machine's RAM, so it stays in the page cache).",
+    flag_values=_FLAGS,
 )
 _LABEL_COLUMN = flags.DEFINE_string(
     "label_column", "label", "CSV column holding the labels.", flag_values=_FLAGS
@@ -117,8 +138,10 @@ def _main(argv: list[str]) -> int:
         workers=workers,
         runner=_RUNNER.value,
         beam_options=_BEAM_OPTIONS.value,
+        image_size=_IMAGE_SIZE.value,
         image_max_side=_IMAGE_MAX_SIDE.value,
         image_format=_IMAGE_FORMAT.value,
+        raw_budget_mb=_RAW_BUDGET_MB.value,
         label_column=_LABEL_COLUMN.value,
         tfds_data_dir=_TFDS_DATA_DIR.value,
         overwrite=_OVERWRITE.value,

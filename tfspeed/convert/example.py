@@ -55,7 +55,11 @@ def _file() -> descriptor_pb2.FileDescriptorProto:
     entry = features.nested_type.add(name="FeatureEntry")  # how protoc spells map<string, Feature>
     entry.field.add(name="key", number=1, type=_F.TYPE_STRING, label=optional)
     entry.field.add(
-        name="value", number=2, type=_F.TYPE_MESSAGE, label=optional, type_name=".tensorflow.Feature"
+        name="value",
+        number=2,
+        type=_F.TYPE_MESSAGE,
+        label=optional,
+        type_name=".tensorflow.Feature",
     )
     entry.options.map_entry = True
     message("Example", ("features", 1, _F.TYPE_MESSAGE, optional, ".tensorflow.Features", None))

@@ -39,7 +39,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from absl import logging
 
 from tfspeed.convert import example
-from tfspeed.convert.sources import Chunk, Skip
+from tfspeed.convert.sources import Chunk, Skip, StoredImage
 from tfspeed.data import integrity
 from tfspeed.data import schema as schema_lib
 from tfspeed.errors import UsageError
@@ -48,8 +48,12 @@ PLAN_FILE = ".tfspeed-plan.jsonl"
 # The automatic shard count of the train split, at least: enough files for parallel reads
 # (interleave) and for splitting by file over 8+ training workers.
 MIN_SHARDS = 16
-# Temporary files of ours: shards, plan rewrites, schema.json rewrites (write_json_atomic).
-_TEMP = re.compile(r"^(\..+\.tfrecord|\.tfspeed-plan\.jsonl|schema\.json)\.tmp-\d+$")
+PROBE_FILE = ".tfspeed-probe"  # storage.measure's read-back test file (+ .tmp-PID)
+# Temporary files of ours: shards, plan rewrites, schema.json rewrites (write_json_atomic),
+# the storage probe.
+_TEMP = re.compile(
+    r"^(\..+\.tfrecord|\.tfspeed-plan\.jsonl|schema\.json|\.tfspeed-probe)\.tmp-\d+$"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,13 +68,16 @@ class ShardTask:
 
 @dataclasses.dataclass(frozen=True)
 class ShardResult:
-    """A finished shard and the source items it skipped."""
+    """A finished shard, the source items it skipped, and its images' shortest and longest
+    side (0 without images)."""
 
     file: str
     num_records: int
     num_bytes: int
     sha256: str
     skipped: tuple[dict, ...] = ()
+    min_image_side: int = 0
+    max_image_side: int = 0
 
     def to_shard(self) -> schema_lib.Shard:
         return schema_lib.Shard(self.file, self.num_records, self.num_bytes, self.sha256)
@@ -131,7 +138,7 @@ def write_shard(
       The shard's metadata.
     """
     tmp = os.path.join(out_dir, f".{file}.tmp-{os.getpid()}")
-    skipped, count, size = [], 0, 0
+    skipped, count, size, sides = [], 0, 0, _Sides()
     digest = hashlib.sha256()  # of the bytes as written: no second pass over the file
     try:
         with open(tmp, "wb") as f:
@@ -139,6 +146,7 @@ def write_shard(
                 if isinstance(record, Skip):
                     skipped.append(record.to_json())
                 else:
+                    record = sides.unwrap(record)
                     framed = integrity.frame(example.serialize(template.features, record))
                     f.write(framed)
                     digest.update(framed)
@@ -154,7 +162,26 @@ def write_shard(
             os.remove(tmp)
         raise
     _fsync_dir(out_dir)
-    return ShardResult(file, count, size, digest.hexdigest(), tuple(skipped))
+    return ShardResult(file, count, size, digest.hexdigest(), tuple(skipped), *sides.range())
+
+
+class _Sides:
+    """The shortest and longest side of the `StoredImage`s seen."""
+
+    def __init__(self):
+        self.shortest, self.longest = 0, 0
+
+    def unwrap(self, record: dict) -> dict:
+        """``record`` with its stored images replaced by their values, their sides noted."""
+        images = {k: v for k, v in record.items() if isinstance(v, StoredImage)}
+        for image in images.values():
+            short, long = sorted((image.height, image.width))
+            self.shortest = min(self.shortest, short) if self.shortest else short
+            self.longest = max(self.longest, long)
+        return {**record, **{k: v.value for k, v in images.items()}} if images else record
+
+    def range(self) -> tuple[int, int]:
+        return self.shortest, self.longest
 
 
 def write_shards(
@@ -273,10 +300,13 @@ def locked(out_dir: str) -> Iterator[None]:
 class Plan:
     """The conversion's state on disk: which shards are planned and which are finished."""
 
-    def __init__(self, out_dir: str, fingerprint: str, files: Sequence[str]):
+    def __init__(
+        self, out_dir: str, fingerprint: str, files: Sequence[str], storage: Mapping | None = None
+    ):
         self.out_dir = out_dir
         self.fingerprint = fingerprint
         self.files = list(files)
+        self.storage = dict(storage or {})  # how images are stored and why: kept for a rerun
         self.path = os.path.join(out_dir, PLAN_FILE)
         self.schema_path = os.path.join(out_dir, schema_lib.SCHEMA_FILE)
 
@@ -382,7 +412,7 @@ class Plan:
 
     def _rewrite(self, results: Mapping[str, ShardResult]) -> None:
         """Atomically replaces the plan: header and ``results`` in planned order."""
-        header = {"fingerprint": self.fingerprint, "files": self.files}
+        header = {"fingerprint": self.fingerprint, "files": self.files, "storage": self.storage}
         lines = [json.dumps(header)]
         lines += [json.dumps(dataclasses.asdict(results[f])) for f in self.files if f in results]
         tmp = f"{self.path}.tmp-{os.getpid()}"
@@ -398,6 +428,20 @@ class Plan:
             if match(name) and os.path.isfile(path):
                 logging.debug("removing %s", path)
                 os.remove(path)
+
+
+def earlier(out_dir: str) -> tuple[str, dict]:
+    """The fingerprint and ``storage`` entry of the conversion ``out_dir`` holds (finished or
+    not); empty if none. A rerun adopts its measured choice of storage, to resume it."""
+    for path, line in ((schema_lib.SCHEMA_FILE, False), (PLAN_FILE, True)):
+        try:
+            with open(os.path.join(out_dir, path)) as f:
+                d = json.loads(f.readline()) if line else json.load(f)
+        except (OSError, ValueError):
+            continue
+        if isinstance(d, dict) and isinstance(d.get("storage"), dict):
+            return str(d.get("fingerprint", "")), d["storage"]
+    return "", {}
 
 
 def _read_json(path: str) -> dict:

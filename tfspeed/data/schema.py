@@ -96,28 +96,37 @@ class Split:
     """A split: its shards, and the source items skipped while converting it.
 
     ``skipped`` holds ``{"item": ..., "reason": ...}`` dicts (e.g. an undecodable image).
+    ``image_sides`` is ``(shortest, longest)``: the smallest of the stored images' short
+    sides and the largest of their long sides (None without images), so a reader can pick
+    a reduced JPEG decode (``ratio``) that still leaves enough pixels.
     """
 
     name: str
     shards: tuple[Shard, ...]
     skipped: tuple[dict, ...] = ()
+    image_sides: tuple[int, int] | None = None
 
     @property
     def num_records(self) -> int:
         return sum(s.num_records for s in self.shards)
 
     def to_json(self) -> dict:
-        return {
+        d = {
             "num_records": self.num_records,
             "num_skipped": len(self.skipped),
             "shards": [dataclasses.asdict(s) for s in self.shards],
             "skipped": list(self.skipped),
         }
+        if self.image_sides:
+            d["image_sides"] = {"min": self.image_sides[0], "max": self.image_sides[1]}
+        return d
 
     @classmethod
     def from_json(cls, name: str, d: Mapping) -> Split:
         shards = tuple(Shard(**s) for s in d["shards"])
-        return cls(name, shards, tuple(d.get("skipped", ())))
+        sides = d.get("image_sides")
+        sides = (sides["min"], sides["max"]) if sides else None
+        return cls(name, shards, tuple(d.get("skipped", ())), sides)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,6 +145,9 @@ class Schema:
         mean equal records, so it keys caches and resumption.
       stats: per-feature statistics of the train split, e.g. ``{"x": {"mean": [...],
         "std": [...]}}`` for numeric features (used by the ``standardize`` op).
+      storage: how the images are stored and why, e.g. ``{"image_format": "raw",
+        "requested": "auto", "reason": "...", "read_ms": ..., "decode_ms": ...}``; empty
+        without images.
     """
 
     features: Mapping[str, Feature]
@@ -147,6 +159,7 @@ class Schema:
     options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     fingerprint: str = ""
     stats: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    storage: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     format_version: int = FORMAT_VERSION
 
     @property
@@ -185,6 +198,7 @@ class Schema:
             "options": dict(self.options),
             "fingerprint": self.fingerprint,
             "stats": dict(self.stats),
+            "storage": dict(self.storage),
         }
 
     @classmethod
@@ -199,6 +213,7 @@ class Schema:
             options=d.get("options", {}),
             fingerprint=d.get("fingerprint", ""),
             stats=d.get("stats", {}),
+            storage=d.get("storage", {}),
             format_version=d["format_version"],
         )
 
