@@ -113,28 +113,44 @@ def convert(
     budget = storage_lib.default_raw_budget_mb() if raw_budget_mb is None else raw_budget_mb
     _check_options(shards, target_shard_mb, workers, budget, options)
     shard_runner = runners.make_runner(runner, workers=workers, beam_options=beam_options)
-    src = sources.open_source(source, options)
-    _check_images(source, src, options)
-    _make_dir(output)
-    with writer.locked(output):
+    # Worker processes start now: their start-up overlaps with listing and measuring.
+    with shard_runner.started(shards or writer.MIN_SHARDS):
+        src = sources.open_source(source, options)
+        _check_images(source, src, options)
+        _make_dir(output)
         layout = _Layout(source, src, options, shards, target_shard_mb)
-        job = _storage_job(layout, output, budget, overwrite)
-        files = [t.file for t in job.tasks]
-        plan = writer.Plan(output, job.template.fingerprint, files, job.template.storage)
-        finished = None if overwrite else plan.finished()
-        if finished:
-            summary = _summary(finished, time.perf_counter() - start, len(job.tasks), written=0)
-            return ConvertResult(finished, summary, output, already_converted=True)
-        results = plan.prepare(overwrite)
-        kept = len(results)
-        written = _write_missing(plan, job, results, shard_runner, progress)
-        schema = dataclasses.replace(job.template, splits=_splits(src.splits, job.tasks, results))
-        if not sum(split.num_records for split in schema.splits.values()):
-            raise UsageError(
-                f"no record could be made from {source}: every item was skipped "
-                "(see the warnings above); check the source's files"
-            )
-        plan.finish(schema, results)
+        with writer.locked(output):
+            job = _storage_job(layout, output, budget, overwrite)
+            return _run(job, layout, output, shard_runner, start, overwrite, progress)
+
+
+def _run(
+    job: _Job,
+    layout: _Layout,
+    output: str,
+    runner: runners.Runner,
+    start: float,
+    overwrite: bool,
+    progress: bool,
+) -> ConvertResult:
+    """Writes ``job`` into ``output`` (locked): the missing shards, then ``schema.json``."""
+    files = [t.file for t in job.tasks]
+    plan = writer.Plan(output, job.template.fingerprint, files, job.template.storage)
+    finished = None if overwrite else plan.finished()
+    if finished:
+        summary = _summary(finished, time.perf_counter() - start, len(job.tasks), written=0)
+        return ConvertResult(finished, summary, output, already_converted=True)
+    results = plan.prepare(overwrite)
+    kept = len(results)
+    written = _write_missing(plan, job, results, runner, progress)
+    splits = _splits(layout.src.splits, job.tasks, results)
+    schema = dataclasses.replace(job.template, splits=splits)
+    if not sum(split.num_records for split in schema.splits.values()):
+        raise UsageError(
+            f"no record could be made from {layout.source}: every item was skipped "
+            "(see the warnings above); check the source's files"
+        )
+    plan.finish(schema, results)
     summary = _summary(schema, time.perf_counter() - start, kept, written)
     return ConvertResult(schema, summary, output)
 

@@ -12,6 +12,7 @@ killed under one resumes under either, keeping the shards already recorded.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import io
@@ -31,6 +32,9 @@ BEAM_INSTALL = "pip install 'tfspeed[beam]'"
 
 class Runner(Protocol):
     """Writes shard tasks."""
+
+    def started(self, expected_tasks: int) -> contextlib.AbstractContextManager:
+        """Holds what the runner needs (worker processes) ready while the block runs."""
 
     def write(
         self,
@@ -76,11 +80,28 @@ def make_runner(name: str, *, workers: int = 1, beam_options: str = "") -> Runne
     raise UsageError(f"--runner={name}: use one of {', '.join(RUNNERS)}")
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass
 class LocalRunner:
     """Writes in this process (``workers`` = 1) or in ``workers`` spawned processes."""
 
     workers: int = 1
+    pool: concurrent.futures.Executor | None = dataclasses.field(
+        default=None, compare=False, repr=False
+    )
+
+    @contextlib.contextmanager
+    def started(self, expected_tasks: int) -> Iterator[None]:
+        """Starts the worker processes now (up to ``expected_tasks`` of them), so that their
+        start-up overlaps with listing the source; stops them when the block ends."""
+        pool = writer.start_pool(self.workers, expected_tasks) if self.workers > 1 else None
+        self.pool, finished = pool, False
+        try:
+            yield
+            finished = True
+        finally:
+            self.pool = None
+            if pool:
+                pool.shutdown(wait=finished, cancel_futures=not finished)
 
     def write(self, plan, tasks, make_chunk, template, *, on_result, on_record=None) -> None:
         def done(result: writer.ShardResult) -> None:
@@ -95,6 +116,7 @@ class LocalRunner:
             workers=self.workers,
             on_result=done,
             on_record=on_record,
+            pool=self.pool,
         )
 
 
@@ -111,6 +133,9 @@ class BeamRunner:
     """
 
     argv: tuple[str, ...] = ()
+
+    def started(self, expected_tasks: int) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()  # Beam starts its workers itself
 
     @classmethod
     def from_options(cls, text: str) -> BeamRunner:
