@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfspeed.convert import convert, run, writer
+from tfspeed.convert import convert, run
+from tfspeed.convert import plan as plan_lib
 from tfspeed.data import schema as schema_lib
 
 TWO_PROCESSES = "--direct_num_workers=2 --direct_running_mode=multi_processing"
@@ -88,7 +89,7 @@ def test_beam_resumes_a_killed_run_keeping_its_recorded_shards(tmp_path):
     files = [s.file for s in first.schema.splits["train"].shards]
     # As if killed mid-way: no schema.json yet, train shards 2 and 3 neither written nor recorded.
     (out / "schema.json").unlink()
-    plan = out / writer.PLAN_FILE
+    plan = out / plan_lib.PLAN_FILE
     header, *lines = plan.read_text().splitlines()
     lines = [ln for ln in lines if not any(f in ln for f in files[2:])]
     plan.write_text("\n".join([header, *lines]) + "\n")

@@ -15,6 +15,7 @@ import tensorflow as tf
 from PIL import Image
 
 from tfspeed.convert import convert, writer
+from tfspeed.convert import plan as plan_lib
 from tfspeed.data import schema as schema_lib
 from tfspeed.errors import UsageError
 
@@ -367,7 +368,7 @@ def test_same_command_gives_identical_bytes_in_process_and_with_two_workers(tmp_
 
 
 def _plan_lines(out):
-    return (out / writer.PLAN_FILE).read_text().splitlines()
+    return (out / plan_lib.PLAN_FILE).read_text().splitlines()
 
 
 def test_resume_keeps_verified_shards_and_rewrites_the_rest(tmp_path):
@@ -384,7 +385,7 @@ def test_resume_keeps_verified_shards_and_rewrites_the_rest(tmp_path):
     (out / files[3]).unlink()
     header, *lines = _plan_lines(out)
     lines = [header] + [ln for ln in lines if not any(f in ln for f in files[2:])]
-    (out / writer.PLAN_FILE).write_text("\n".join(lines) + '\n{"file": "' + files[5][:6])
+    (out / plan_lib.PLAN_FILE).write_text("\n".join(lines) + '\n{"file": "' + files[5][:6])
     (out / files[5]).unlink()
     kept = os.stat(out / files[0])
     os.link(out / files[4], tmp_path / "unrecorded")  # pins its inode: no reuse by a new file

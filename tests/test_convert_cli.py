@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 from conftest import write_photos
 
-from tfspeed.convert import convert, run, writer
+from tfspeed.convert import convert, run
+from tfspeed.convert import plan as plan_lib
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "to_tfrecord.py"
 
@@ -202,7 +203,7 @@ def test_sigkill_mid_run_then_rerun_equals_an_uninterrupted_run(tmp_path, plan_l
     process = _script(
         "--source=digits", f"--output={out}", "--shards=500", "--workers=1", "--noprogress"
     )
-    plan = out / writer.PLAN_FILE
+    plan = out / plan_lib.PLAN_FILE
     deadline = time.monotonic() + 120
     # Kill once the plan (a header line, then a line per finished shard) is that long.
     while time.monotonic() < deadline and process.poll() is None:

@@ -6,7 +6,10 @@
   converter.py  convert(): source -> shards -> schema.json
   cli.py        its command line (scripts/to_tfrecord.py, tfspeed-convert)
   runners.py    who writes the shards: this machine (a process pool) or an Apache Beam pipeline
-  writer.py     shard planning, atomic shard writing, the resumable plan
+  writer.py     shard counts and tasks, atomic shard writing, in worker processes
+  plan.py       the conversion's state on disk (the plan), what makes it resumable
+  storage.py    how images are stored (--image_format=auto measures it)
+  example.py    tf.train.Example records without TensorFlow
   sources/      the source kinds (imagefolder, csv, npz, tfds, digits) and image encoding
 
 The format they write (``tfspeed.data.schema``, ``tfspeed.data.integrity``) is shared with the

@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 from absl import logging
 
+from tfspeed.convert import plan as plan_lib
 from tfspeed.convert import runners, sources, writer
 from tfspeed.convert import storage as storage_lib
 from tfspeed.data.schema import Schema, Split, names_of
@@ -119,7 +120,7 @@ def convert(
         _check_images(source, src, options)
         _make_dir(output)
         layout = _Layout(source, src, options, shards, target_shard_mb)
-        with writer.locked(output):
+        with plan_lib.locked(output):
             job = _storage_job(layout, output, budget, overwrite)
             return _run(job, layout, output, shard_runner, start, overwrite, progress)
 
@@ -135,7 +136,7 @@ def _run(
 ) -> ConvertResult:
     """Writes ``job`` into ``output`` (locked): the missing shards, then ``schema.json``."""
     files = [t.file for t in job.tasks]
-    plan = writer.Plan(output, job.template.fingerprint, files, job.template.storage)
+    plan = plan_lib.Plan(output, job.template.fingerprint, files, job.template.storage)
     finished = None if overwrite else plan.finished()
     if finished:
         summary = _summary(finished, time.perf_counter() - start, len(job.tasks), written=0)
@@ -212,7 +213,7 @@ def _storage_job(layout: _Layout, output: str, budget_mb: float, overwrite: bool
     src, requested = layout.src, layout.options.image_format
     if src.image_shape is None:
         return layout.job({})
-    fingerprint, earlier = writer.earlier(output)
+    fingerprint, earlier = plan_lib.earlier(output)
     if (
         requested == "auto"
         and not overwrite
@@ -250,7 +251,7 @@ def _sample(layout: _Layout) -> list:
 
 
 def _write_missing(
-    plan: writer.Plan,
+    plan: plan_lib.Plan,
     job: _Job,
     results: dict[str, writer.ShardResult],
     runner: runners.Runner,

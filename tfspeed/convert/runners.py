@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol
 
 from tfspeed.convert import writer
+from tfspeed.convert.plan import Plan
 from tfspeed.convert.sources import Chunk
 from tfspeed.data.schema import Schema
 from tfspeed.errors import UsageError
@@ -38,7 +39,7 @@ class Runner(Protocol):
 
     def write(
         self,
-        plan: writer.Plan,
+        plan: Plan,
         tasks: Sequence[writer.ShardTask],
         make_chunk: Callable[[str, int, int], Chunk],
         template: Schema,
@@ -200,7 +201,7 @@ class BeamRunner:
 
 
 def _write_and_record(
-    work: tuple[writer.ShardTask, Chunk], plan: writer.Plan, template: Schema
+    work: tuple[writer.ShardTask, Chunk], plan: Plan, template: Schema
 ) -> writer.ShardResult:
     """Runs on a Beam worker: writes one shard, then records it (after its rename)."""
     task, chunk = work

@@ -30,8 +30,8 @@ import numpy as np
 import simplejpeg
 from PIL import Image
 
+from tfspeed.convert.plan import PROBE_FILE
 from tfspeed.convert.sources import JPEG_QUALITY
-from tfspeed.convert.writer import PROBE_FILE
 
 RAW_BUDGET_FRACTION = 0.25  # of physical RAM: the rest is the trainer's and the system's
 PROBE_IMAGES = 32
