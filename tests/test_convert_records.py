@@ -4,6 +4,7 @@ TF's on every feature kind, and a conversion with workers runs where TF cannot b
 import os
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -94,3 +95,28 @@ def test_conversion_with_workers_never_imports_tensorflow(tmp_path):
             data = (out / shard.file).read_bytes()
             assert data == (tmp_path / "here" / shard.file).read_bytes()
             assert sum(1 for _ in tf.data.TFRecordDataset(str(out / shard.file))) > 0
+
+
+def test_a_failing_shard_stops_the_writers_and_leaves_no_temporary_file(tmp_path):
+    from tfspeed.convert import pool
+    from tfspeed.convert.sources import ArrayChunk
+    from tfspeed.convert.writer import ShardTask
+    from tfspeed.data.schema import Schema
+
+    features = {"ids": FEATURES["ids"], "label": FEATURES["label"]}
+    template = Schema(features=features, inputs="ids", label="label", class_names=(), splits={})
+    tasks = [ShardTask("train", f"train-{i}.tfrecord", i, i + 1) for i in range(6)]
+
+    def make_chunk(split, start, stop):  # 3 ids where the schema says 4: every shard fails
+        return ArrayChunk({"ids": np.zeros((1, 3), np.int64), "label": np.zeros(1, np.int64)})
+
+    written = []
+    with pytest.raises(ValueError, match="schema says"):
+        pool.write_shards(
+            str(tmp_path), tasks, make_chunk, template, workers=2, on_result=written.append
+        )
+    assert written == [] and not [n for n in os.listdir(tmp_path) if n.endswith(".tfrecord")]
+    deadline = time.monotonic() + 10  # a spawned writer may still be removing its temporary file
+    while os.listdir(tmp_path) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert os.listdir(tmp_path) == []

@@ -1,7 +1,7 @@
 """Runners: who writes a conversion's shards. The "what" (the shard tasks, their chunks and
 `writer.write_shard`) is shared; a runner only decides where the writing happens.
 
-  LocalRunner  this process (workers=1) or a pool of spawned processes: the default
+  LocalRunner  this process, with workers - 1 spawned processes beside it: the default
   BeamRunner   an Apache Beam pipeline: the DirectRunner on this machine, or Dataflow, Flink or
                Spark, chosen by Beam's own options (``--beam_options="--runner=FlinkRunner ..."``)
 
@@ -21,6 +21,7 @@ import shlex
 from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol
 
+from tfspeed.convert import pool as pool_lib
 from tfspeed.convert import writer
 from tfspeed.convert.plan import Plan
 from tfspeed.convert.sources import Chunk
@@ -83,7 +84,7 @@ def make_runner(name: str, *, workers: int = 1, beam_options: str = "") -> Runne
 
 @dataclasses.dataclass
 class LocalRunner:
-    """Writes in this process (``workers`` = 1) or in ``workers`` spawned processes."""
+    """Writes with ``workers`` writers: this process and ``workers - 1`` spawned processes."""
 
     workers: int = 1
     pool: concurrent.futures.Executor | None = dataclasses.field(
@@ -92,9 +93,10 @@ class LocalRunner:
 
     @contextlib.contextmanager
     def started(self, expected_tasks: int) -> Iterator[None]:
-        """Starts the worker processes now (up to ``expected_tasks`` of them), so that their
+        """Starts the spawned processes now (up to ``expected_tasks`` of them), so that their
         start-up overlaps with listing the source; stops them when the block ends."""
-        pool = writer.start_pool(self.workers, expected_tasks) if self.workers > 1 else None
+        helpers = self.workers - 1  # this process writes shards too
+        pool = pool_lib.start_pool(helpers, min(helpers, expected_tasks)) if helpers else None
         self.pool, finished = pool, False
         try:
             yield
@@ -109,7 +111,7 @@ class LocalRunner:
             plan.record(result)  # only after its rename: a recorded shard is a complete file
             on_result(result)
 
-        writer.write_shards(
+        pool_lib.write_shards(
             plan.out_dir,
             tasks,
             make_chunk,

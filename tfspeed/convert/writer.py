@@ -1,10 +1,9 @@
 """Writes a converted dataset's shards: sharded, parallel and atomic.
 
 `shard_counts` and `plan_tasks` cut the splits into shards; `write_shard` writes one
-(temporary file, fsync, rename); `write_shards` writes many, in this process or in spawned
-worker processes. Who calls them is a runner (`tfspeed.convert.runners`); every runner
-records each finished shard in the `tfspeed.convert.plan.Plan`, which makes a conversion
-resumable.
+(temporary file, fsync, rename), `tfspeed.convert.pool` many at once. Who calls them is a
+runner (`tfspeed.convert.runners`); every runner records each finished shard in the
+`tfspeed.convert.plan.Plan`, which makes a conversion resumable.
 
 Writing imports no TensorFlow: records are ``tf.train.Example`` bytes built with protobuf
 (`tfspeed.convert.example`) and framed in Python (`tfspeed.data.integrity.frame`). Importing
@@ -13,17 +12,14 @@ TF cost each spawned worker 3-5 s, which made more workers and more shards slowe
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import ctypes
 import dataclasses
 import functools
 import hashlib
-import itertools
 import math
-import multiprocessing
 import os
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping
 
 from tfspeed.convert import example
 from tfspeed.convert.sources import Chunk, Skip, StoredImage
@@ -116,7 +112,7 @@ def write_shard(
     Returns:
       The shard's metadata.
     """
-    _keep_freed_memory()
+    keep_freed_memory()
     tmp = os.path.join(out_dir, f".{file}.tmp-{os.getpid()}")
     skipped, count, size, sides = [], 0, 0, _Sides()
     digest = hashlib.sha256()  # of the bytes as written: no second pass over the file
@@ -146,7 +142,7 @@ def write_shard(
 
 
 @functools.cache
-def _keep_freed_memory() -> None:
+def keep_freed_memory() -> None:
     """Lets glibc's malloc keep freed memory for reuse instead of returning it at once.
 
     Each image passes through arrays of 0.15-0.6 MB. In a fresh worker process glibc maps
@@ -184,86 +180,6 @@ class _Sides:
 
     def range(self) -> tuple[int, int]:
         return self.shortest, self.longest
-
-
-def start_pool(workers: int, warm: int) -> concurrent.futures.ProcessPoolExecutor:
-    """A pool of up to ``workers`` spawned processes, ``warm`` of them started right away.
-
-    A worker takes ~0.3 s to start (Python, numpy, PIL, protobuf). Started before the work is
-    known, that overlaps with listing the source and measuring storage.
-    """
-    # spawn, not fork: forking a process that has imported TensorFlow can deadlock.
-    context = multiprocessing.get_context("spawn")
-    pool = concurrent.futures.ProcessPoolExecutor(workers, mp_context=context)
-    for _ in range(min(warm, workers)):
-        pool.submit(_ready)  # each submit starts a process while none is idle
-    return pool
-
-
-def _ready() -> None:
-    _keep_freed_memory()
-
-
-def write_shards(
-    out_dir: str,
-    tasks: Sequence[ShardTask],
-    make_chunk: Callable[..., Chunk],
-    template: schema_lib.Schema,
-    *,
-    workers: int,
-    on_result: Callable[[ShardResult], None],
-    on_record: Callable[[], None] | None = None,
-    pool: concurrent.futures.Executor | None = None,
-) -> None:
-    """Writes ``tasks``, in this process (workers=1) or in ``workers`` spawned processes.
-
-    Args:
-      out_dir: the output directory.
-      tasks: the shards to write.
-      make_chunk: ``(split, start, stop) -> Chunk``.
-      template: the schema whose features encode the records.
-      workers: processes to use.
-      on_result: called in this process with each finished shard, in completion order.
-      on_record: called after each item when writing in-process (progress).
-      pool: a `start_pool` of ``workers`` to use (else one is started, and stopped after).
-    """
-    if workers == 1 or len(tasks) <= 1:
-        for task in tasks:
-            chunk = make_chunk(task.split, task.start, task.stop)
-            on_result(write_shard(out_dir, task.file, chunk, template, on_record))
-        return
-    workers = min(workers, len(tasks))
-    own = pool is None
-    pool = start_pool(workers, warm=0) if own else pool
-    pending: dict[concurrent.futures.Future, ShardTask] = {}
-    queue = iter(tasks)
-    try:
-        # Chunks are made only when submitted, so at most ~2 per worker are held in memory.
-        for task in _take(queue, 2 * workers):
-            pending[_submit(pool, out_dir, task, make_chunk, template)] = task
-        while pending:
-            done, _ = concurrent.futures.wait(
-                pending, return_when=concurrent.futures.FIRST_COMPLETED
-            )
-            for future in done:
-                del pending[future]
-                on_result(future.result())
-                for task in _take(queue, 1):
-                    pending[_submit(pool, out_dir, task, make_chunk, template)] = task
-    except BaseException:
-        pool.shutdown(wait=False, cancel_futures=True)
-        raise
-    if own:
-        pool.shutdown()
-
-
-def _take(iterator: Iterator, n: int) -> list:
-    return list(itertools.islice(iterator, n))
-
-
-def _submit(pool, out_dir, task, make_chunk, template) -> concurrent.futures.Future:
-    chunk = make_chunk(task.split, task.start, task.stop)
-    return pool.submit(write_shard, out_dir, task.file, chunk, template)
 
 
 def fsync_dir(path: str) -> None:
