@@ -34,8 +34,7 @@ from absl import app, flags  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tfspeed import bench  # noqa: E402
 from tfspeed.convert import convert  # noqa: E402
-from tfspeed.data import build, build_from_config  # noqa: E402
-from tfspeed.data import DataConfig  # noqa: E402
+from tfspeed.data import DataConfig, build, build_from_config  # noqa: E402
 
 _IMAGES = flags.DEFINE_integer("images", 3000, "Photos to cut from the sample photographs.")
 _CLASSES = flags.DEFINE_integer("classes", 4, "Class folders.")

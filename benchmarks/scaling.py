@@ -48,7 +48,7 @@ BATCH, IMAGE_SIZE, WARMUP = 64, 224, 8
 def prepare(workdir: str) -> dict[str, str]:
     """JPEG photos converted into 16 shards, and the digits."""
     from tfspeed.bench import make_photos
-    from tfspeed.data.convert import convert
+    from tfspeed.convert import convert
 
     photos = os.path.join(workdir, "photos")
     if not os.path.isdir(photos):

@@ -35,7 +35,7 @@ def write_photos(root: Path, classes: int = 3, per_class: int = 12, seed: int = 
 @pytest.fixture(scope="session")
 def digits_dir(tmp_path_factory) -> str:
     """The digits demo, converted into 4 train shards (and 1 validation shard)."""
-    from tfspeed.data.convert import convert
+    from tfspeed.convert import convert
 
     out = tmp_path_factory.mktemp("digits") / "data"
     convert("digits", str(out), shards=4)
@@ -45,7 +45,7 @@ def digits_dir(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def photos_dir(tmp_path_factory) -> str:
     """A converted folder of 36 JPEGs of varying size in 3 classes."""
-    from tfspeed.data.convert import convert
+    from tfspeed.convert import convert
 
     root = write_photos(tmp_path_factory.mktemp("photos") / "src")
     out = root.parent / "data"
@@ -56,7 +56,7 @@ def photos_dir(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def tabular_dir(tmp_path_factory) -> str:
     """A converted .npz of 300 float feature vectors with 3 classes."""
-    from tfspeed.data.convert import convert
+    from tfspeed.convert import convert
 
     rng = np.random.default_rng(1)
     y = rng.integers(0, 3, size=300)
@@ -71,7 +71,7 @@ def tabular_dir(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def raw_images_dir(tmp_path_factory) -> str:
     """A converted .npz of 80 uint8 6x6 RGB images (stored raw) with 4 classes."""
-    from tfspeed.data.convert import convert
+    from tfspeed.convert import convert
 
     rng = np.random.default_rng(2)
     root = tmp_path_factory.mktemp("raw")

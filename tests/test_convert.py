@@ -2,6 +2,7 @@
 atomic and resumable. Real TensorFlow, real files in tmp_path."""
 
 import collections
+import dataclasses
 import hashlib
 import io
 import json
@@ -13,9 +14,9 @@ import pytest
 import tensorflow as tf
 from PIL import Image
 
+from tfspeed.convert import convert, writer
+from tfspeed.convert import plan as plan_lib
 from tfspeed.data import schema as schema_lib
-from tfspeed.data import writer
-from tfspeed.data.convert import convert
 from tfspeed.errors import UsageError
 
 # ---------------------------------------------------------------- helpers
@@ -41,9 +42,23 @@ def _records(out, split):
 
 
 def _snapshot(out):
-    """The bytes of the shards and schema.json (what must be identical run to run)."""
-    names = [n for n in os.listdir(out) if n.endswith(".tfrecord") or n == "schema.json"]
-    return {n: (out / n).read_bytes() for n in sorted(names)}
+    """The shards' bytes and schema.json: what must be identical run to run. The figures of an
+    auto storage choice are left out: they are a measurement, taken again by a new run."""
+    names = [n for n in os.listdir(out) if n.endswith(".tfrecord")]
+    snapshot = {n: (out / n).read_bytes() for n in sorted(names)}
+    if (out / "schema.json").exists():
+        schema = json.loads((out / "schema.json").read_text())
+        schema["storage"] = _choice(schema["storage"])
+        snapshot["schema.json"] = schema
+    return snapshot
+
+
+def _choice(storage):
+    return {k: storage[k] for k in ("image_format", "requested") if k in storage}
+
+
+def _unmeasured(schema):
+    return dataclasses.replace(schema, storage=_choice(schema.storage))
 
 
 def _check_shards(out, schema):
@@ -62,18 +77,35 @@ def _decode(images, channels=0):
     return [tf.io.decode_image(b, channels=channels).numpy() for b in images]
 
 
+def _pixels_of(records, feature):
+    """The stored images of ``records`` as uint8 arrays, whatever their encoding."""
+    if feature.encoding == "raw":
+        return [np.frombuffer(b, np.uint8).reshape(feature.shape) for b in records[feature.name]]
+    return _decode(records[feature.name], feature.shape[-1])
+
+
 # ---------------------------------------------------------------- round trips
 
 
-def test_digits_round_trip(tmp_path):
+@pytest.mark.parametrize("image_format", ["auto", "png"])
+def test_digits_round_trip(tmp_path, image_format):
     from sklearn.datasets import load_digits
 
-    result = convert("digits", str(tmp_path), shards=3, validation_fraction=0.2)
+    result = convert(
+        "digits", str(tmp_path), shards=3, validation_fraction=0.2, image_format=image_format
+    )
     schema = result.schema
     assert schema.inputs == "image" and schema.label == "label"
     assert schema.class_names == tuple(str(i) for i in range(10))
-    assert schema.features["image"] == schema_lib.Feature("image", "uint8", (8, 8, 1), "png")
+    # auto stores 8x8 images raw: reading 64 bytes is measured faster than decoding a JPEG.
+    stored = "raw" if image_format == "auto" else image_format
+    assert schema.features["image"] == schema_lib.Feature("image", "uint8", (8, 8, 1), stored)
+    assert schema.storage["image_format"] == schema.options["image_format"] == stored
+    assert schema.storage["requested"] == image_format
+    if image_format == "auto":
+        assert schema.storage["read_ms"] < schema.storage["decode_ms"], schema.storage
     assert {n: len(s.shards) for n, s in schema.splits.items()} == {"train": 3, "validation": 1}
+    assert all(split.image_sides == (8, 8) for split in schema.splits.values())
     assert schema.splits["validation"].num_records == round(1797 * 0.2)
     assert result.summary["records"] == 1797 and result.summary["skipped"] == 0
     _check_shards(tmp_path, schema)
@@ -85,7 +117,8 @@ def test_digits_round_trip(tmp_path):
     got = collections.Counter()
     for split in schema.splits:
         records = _records(tmp_path, split)
-        for image, label in zip(_decode(records["image"], 1), records["label"], strict=True):
+        images = _pixels_of(records, schema.features["image"])
+        for image, label in zip(images, records["label"], strict=True):
             got[(int(label), image.tobytes())] += 1
     assert got == collections.Counter(
         (int(y), x.tobytes()) for x, y in zip(expected, digits.target, strict=True)
@@ -330,12 +363,12 @@ def test_same_command_gives_identical_bytes_in_process_and_with_two_workers(tmp_
 
     one = convert("digits", str(tmp_path / "one"), shards=4, workers=1)
     two = convert("digits", str(tmp_path / "two"), shards=4, workers=2)  # spawned processes
-    assert one.schema == two.schema
+    assert _unmeasured(one.schema) == _unmeasured(two.schema)
     assert _snapshot(tmp_path / "one") == _snapshot(tmp_path / "two")
 
 
 def _plan_lines(out):
-    return (out / writer.PLAN_FILE).read_text().splitlines()
+    return (out / plan_lib.PLAN_FILE).read_text().splitlines()
 
 
 def test_resume_keeps_verified_shards_and_rewrites_the_rest(tmp_path):
@@ -352,7 +385,7 @@ def test_resume_keeps_verified_shards_and_rewrites_the_rest(tmp_path):
     (out / files[3]).unlink()
     header, *lines = _plan_lines(out)
     lines = [header] + [ln for ln in lines if not any(f in ln for f in files[2:])]
-    (out / writer.PLAN_FILE).write_text("\n".join(lines) + '\n{"file": "' + files[5][:6])
+    (out / plan_lib.PLAN_FILE).write_text("\n".join(lines) + '\n{"file": "' + files[5][:6])
     (out / files[5]).unlink()
     kept = os.stat(out / files[0])
     os.link(out / files[4], tmp_path / "unrecorded")  # pins its inode: no reuse by a new file
@@ -361,7 +394,8 @@ def test_resume_keeps_verified_shards_and_rewrites_the_rest(tmp_path):
     assert not result.already_converted
     assert result.summary["resumed_shards"] == 3  # train 0, 1 and the validation shard
     assert _snapshot(out) == _snapshot(clean)
-    assert result.schema == schema_lib.read(str(clean))
+    assert _unmeasured(result.schema) == _unmeasured(schema_lib.read(str(clean)))
+    assert result.schema.storage == first.schema.storage  # the plan's measurement, kept
     again = os.stat(out / files[0])
     assert (again.st_ino, again.st_mtime_ns) == (kept.st_ino, kept.st_mtime_ns)  # not rewritten
     assert os.stat(out / files[4]).st_ino != os.stat(tmp_path / "unrecorded").st_ino  # rewritten
@@ -420,8 +454,12 @@ def test_shard_counts_and_tasks():
     est = {"train": 300 << 20, "validation": 30 << 20, "test": 1}
     assert writer.shard_counts(sizes, est, 8, 128) == {"train": 8, "validation": 1, "test": 1}
     assert writer.shard_counts(sizes, est, 500, 128) == {"train": 100, "validation": 10, "test": 3}
-    assert writer.shard_counts(sizes, est, 0, 128) == {"train": 3, "validation": 1, "test": 1}
+    # Automatic: at least 16 train shards, or ~target_shard_mb each if that gives more.
+    assert writer.shard_counts(sizes, est, 0, 128) == {"train": 16, "validation": 2, "test": 1}
     assert writer.shard_counts(sizes, est, 0, 10) == {"train": 30, "validation": 3, "test": 1}
+    assert writer.shard_counts({"train": 5, "test": 2}, est, 0, 128) == {"train": 5, "test": 2}
+    no_train = {"test": 40, "extra": 400}
+    assert writer.shard_counts(no_train, {"extra": 1}, 0, 128) == {"test": 2, "extra": 16}
     tasks = writer.plan_tasks({"train": 10, "test": 3}, {"train": 3, "test": 1})
     assert [(t.file, t.start, t.stop) for t in tasks] == [
         ("train-00000-of-00003.tfrecord", 0, 3),
@@ -436,12 +474,14 @@ def test_validation_fraction_zero_gives_train_only(tmp_path):
     assert list(schema.splits) == ["train"] and schema.splits["train"].num_records == 1797
 
 
-def test_encode_image_is_deterministic_and_flattens_modes():
-    from tfspeed.data.sources import encode_image
+def test_image_storage_is_deterministic_and_flattens_modes():
+    from tfspeed.convert.sources import ImageStorage
 
     buffer = io.BytesIO()
     Image.fromarray(_pixels(9, 7, 4)).save(buffer, "PNG")
-    out = encode_image(buffer.getvalue(), "jpeg", max_side=5)
-    assert out == encode_image(buffer.getvalue(), "jpeg", max_side=5)
-    image = Image.open(io.BytesIO(out))
+    storage = ImageStorage("jpeg", max_side=5)
+    out = storage.from_bytes(buffer.getvalue())
+    assert out == storage.from_bytes(buffer.getvalue())
+    assert (out.height, out.width) == (5, 4)
+    image = Image.open(io.BytesIO(out.value))
     assert (image.format, image.mode, image.size) == ("JPEG", "RGB", (4, 5))

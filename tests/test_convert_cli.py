@@ -1,6 +1,7 @@
 """The converter's command line: bad input is one ``error:`` line and exit status 2, and a
 conversion killed with SIGKILL resumes to the same bytes as an uninterrupted one."""
 
+import json
 import os
 import signal
 import subprocess
@@ -10,9 +11,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import write_photos
 
-from tfspeed.data import writer
-from tfspeed.data.convert import convert, run
+from tfspeed.convert import convert, run
+from tfspeed.convert import plan as plan_lib
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "to_tfrecord.py"
 
@@ -37,8 +39,12 @@ def _script(*args):
 
 
 def _snapshot(out):
-    names = [n for n in os.listdir(out) if n.endswith(".tfrecord") or n == "schema.json"]
-    return {n: (out / n).read_bytes() for n in sorted(names)}
+    """The shards' bytes and schema.json, but the figures of the measured storage choice."""
+    names = [n for n in os.listdir(out) if n.endswith(".tfrecord")]
+    snapshot = {n: (out / n).read_bytes() for n in sorted(names)}
+    schema = json.loads((out / "schema.json").read_text())
+    schema["storage"] = {k: schema["storage"][k] for k in ("image_format", "requested")}
+    return {**snapshot, "schema.json": schema}
 
 
 # ---------------------------------------------------------------- bad input
@@ -88,6 +94,14 @@ def _make(tmp_path, case):
             f"--tfds_data_dir={tmp_path}",
             out,
         ], "not prepared"
+    if case == "raw with varying sizes":
+        write_photos(tmp_path / "src", classes=1, per_class=2)
+        return [f"--source=imagefolder:{tmp_path / 'src'}", out, "--image_format=raw"], (
+            "--image_format=raw needs images of one size"
+        )
+    if case == "image options without images":
+        csv.write_text("a,label\n1,x\n2,y\n")
+        return [f"--source=csv:{csv}", out, "--image_size=32"], "--image_size=32: --source=csv"
     if case == "another dataset":
         (tmp_path / "out").mkdir()
         (tmp_path / "out" / "train-00000-of-00001.tfrecord").write_bytes(b"theirs")
@@ -98,12 +112,15 @@ def _make(tmp_path, case):
         "workers 0": ("--workers=0", "--workers=0"),
         "max side < 0": ("--image_max_side=-5", "--image_max_side=-5"),
         "bad format": ("--image_format=gif", "--image_format"),
+        "size < 0": ("--image_size=-1", "--image_size=-1"),
+        "size and max side": ("--image_size=32 --image_max_side=64", "conflict"),
+        "budget < 0": ("--raw_budget_mb=-1", "--raw_budget_mb=-1.0"),
         "unknown flag": ("--shardz=3", "shardz"),
         "wrong type": ("--shards=many", "--shards=many"),
         "extra argument": ("stray", "'stray'"),
     }
     flag, expected = options[case]
-    return ["--source=digits", out, flag], expected
+    return ["--source=digits", out, *flag.split()], expected
 
 
 BAD_CASES = [
@@ -125,6 +142,11 @@ BAD_CASES = [
     "workers 0",
     "max side < 0",
     "bad format",
+    "size < 0",
+    "size and max side",
+    "budget < 0",
+    "raw with varying sizes",
+    "image options without images",
     "unknown flag",
     "wrong type",
     "extra argument",
@@ -202,7 +224,7 @@ def test_sigkill_mid_run_then_rerun_equals_an_uninterrupted_run(tmp_path, plan_l
     process = _script(
         "--source=digits", f"--output={out}", "--shards=500", "--workers=1", "--noprogress"
     )
-    plan = out / writer.PLAN_FILE
+    plan = out / plan_lib.PLAN_FILE
     deadline = time.monotonic() + 120
     # Kill once the plan (a header line, then a line per finished shard) is that long.
     while time.monotonic() < deadline and process.poll() is None:

@@ -56,7 +56,7 @@ def cluster(tmp_path_factory):
 @pytest.fixture(scope="module")
 def numbered_dir(tmp_path_factory) -> str:
     """96 records in 6 shards; record i holds the features 4i..4i+3 (each one is unique)."""
-    from tfspeed.data.convert import convert
+    from tfspeed.convert import convert
 
     root = tmp_path_factory.mktemp("numbered")
     x = np.arange(RECORDS * FEATURES, dtype=np.float32).reshape(RECORDS, FEATURES)

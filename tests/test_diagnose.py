@@ -15,7 +15,7 @@ QUICK = diagnose.Options(steps=12, warmup=3, profile_steps=6)
 @pytest.fixture(scope="session")
 def big_photos_dir(tmp_path_factory) -> str:
     """48 large JPEGs (900x700) converted without --image_max_side: decoding is the cost."""
-    from tfspeed.data.convert import convert
+    from tfspeed.convert import convert
 
     root = tmp_path_factory.mktemp("big") / "src"
     rng = np.random.default_rng(0)

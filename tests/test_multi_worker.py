@@ -29,7 +29,7 @@ def four_shards(tmp_path_factory) -> str:
     """64 train records in 4 equal shards: 2 workers each read 2 whole shards (sharded by
     file); 9 validation records in 1 shard: sharded by record, worker 0 evaluates 5 records
     (2 batches of 4) and worker 1 only 4 (1 batch)."""
-    from tfspeed.data.convert import convert
+    from tfspeed.convert import convert
 
     rng = np.random.default_rng(3)
     y = rng.integers(0, 3, size=73)

@@ -1,9 +1,9 @@
 """tfspeed: make TensorFlow/Keras training as fast as the hardware allows.
 
 Measure first, then remove the bottleneck. The package is split by concern:
-``tfspeed.data`` (converter and tf.data pipeline builders), ``tfspeed.runtime``
-(strategy, precision, XLA), ``tfspeed.models``, ``tfspeed.trainer`` and the
-``tfspeed.train`` entry point.
+``tfspeed.convert`` (the converter), ``tfspeed.data`` (tf.data pipeline builders),
+``tfspeed.runtime`` (strategy, precision, XLA), ``tfspeed.models``, ``tfspeed.trainer`` and
+the ``tfspeed.train`` entry point.
 """
 
 import importlib.util

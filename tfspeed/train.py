@@ -364,7 +364,7 @@ def _prepare_data(config: Config) -> float:
     source = config.data.prepare_source
     if not source or os.path.exists(os.path.join(config.data.data_dir, SCHEMA_FILE)):
         return 0.0
-    from tfspeed.data.convert import convert
+    from tfspeed.convert import convert
 
     logging.info("converting %s into %s first", source, config.data.data_dir)
     result = convert(source, config.data.data_dir, progress=sys.stdout.isatty())

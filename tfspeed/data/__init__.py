@@ -1,12 +1,35 @@
-"""tfspeed.data: convert datasets to TFRecord shards and build fast tf.data pipelines from them.
+"""tfspeed.data: the read side. Builds fast tf.data pipelines from converted TFRecord shards.
 
     import tfspeed.data
     ds = tfspeed.data.build("data/digits", "train", batch_size=128, training=True)
+
+The converter that writes the shards is ``tfspeed.convert``; the format both share is
+``tfspeed.data.schema`` (and ``tfspeed.data.integrity``, the TFRecord framing).
 """
 
-from tfspeed.config import DataConfig
-from tfspeed.data.pipeline import build, build_from_config
-from tfspeed.data.schema import Schema
-from tfspeed.data.schema import read as read_schema
+from __future__ import annotations
 
-__all__ = ["DataConfig", "Schema", "build", "build_from_config", "read_schema"]
+import importlib
+
+# Imported on first use (PEP 562): `import tfspeed.data.schema` (the converter's workers do)
+# must not import the pipeline, and with it TensorFlow.
+_LAZY = {
+    "DataConfig": ("tfspeed.config", "DataConfig"),
+    "build": ("tfspeed.data.pipeline", "build"),
+    "build_from_config": ("tfspeed.data.pipeline", "build_from_config"),
+    "Schema": ("tfspeed.data.schema", "Schema"),
+    "read_schema": ("tfspeed.data.schema", "read"),
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module, attribute = _LAZY[name]
+    return getattr(importlib.import_module(module), attribute)
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})

@@ -63,24 +63,6 @@ class Feature:
     def is_image(self) -> bool:
         return self.encoding in ("jpeg", "png")
 
-    def to_proto(self, value: Any):
-        """Encodes one value (bytes for images, an array-like otherwise) as a tf.train.Feature."""
-        import tensorflow as tf
-
-        if self.is_image:
-            return tf.train.Feature(bytes_list=tf.train.BytesList(value=[bytes(value)]))
-        array = np.asarray(value, dtype=self.dtype)
-        if array.shape != tuple(self.shape):
-            raise ValueError(
-                f"feature {self.name!r}: value of shape {array.shape}, schema says {self.shape}"
-            )
-        if self.encoding == "raw":
-            raw = array.astype(array.dtype.newbyteorder("<")).tobytes()
-            return tf.train.Feature(bytes_list=tf.train.BytesList(value=[raw]))
-        if self.encoding == "float":
-            return tf.train.Feature(float_list=tf.train.FloatList(value=array.ravel().tolist()))
-        return tf.train.Feature(int64_list=tf.train.Int64List(value=array.ravel().tolist()))
-
     def parse_spec(self):
         """The ``tf.io.FixedLenFeature`` that parses this feature (before decoding)."""
         import tensorflow as tf
@@ -114,28 +96,37 @@ class Split:
     """A split: its shards, and the source items skipped while converting it.
 
     ``skipped`` holds ``{"item": ..., "reason": ...}`` dicts (e.g. an undecodable image).
+    ``image_sides`` is ``(shortest, longest)``: the smallest of the stored images' short
+    sides and the largest of their long sides (None without images), so a reader can pick
+    a reduced JPEG decode (``ratio``) that still leaves enough pixels.
     """
 
     name: str
     shards: tuple[Shard, ...]
     skipped: tuple[dict, ...] = ()
+    image_sides: tuple[int, int] | None = None
 
     @property
     def num_records(self) -> int:
         return sum(s.num_records for s in self.shards)
 
     def to_json(self) -> dict:
-        return {
+        d = {
             "num_records": self.num_records,
             "num_skipped": len(self.skipped),
             "shards": [dataclasses.asdict(s) for s in self.shards],
             "skipped": list(self.skipped),
         }
+        if self.image_sides:
+            d["image_sides"] = {"min": self.image_sides[0], "max": self.image_sides[1]}
+        return d
 
     @classmethod
     def from_json(cls, name: str, d: Mapping) -> Split:
         shards = tuple(Shard(**s) for s in d["shards"])
-        return cls(name, shards, tuple(d.get("skipped", ())))
+        sides = d.get("image_sides")
+        sides = (sides["min"], sides["max"]) if sides else None
+        return cls(name, shards, tuple(d.get("skipped", ())), sides)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,6 +145,9 @@ class Schema:
         mean equal records, so it keys caches and resumption.
       stats: per-feature statistics of the train split, e.g. ``{"x": {"mean": [...],
         "std": [...]}}`` for numeric features (used by the ``standardize`` op).
+      storage: how the images are stored and why, e.g. ``{"image_format": "raw",
+        "requested": "auto", "reason": "...", "read_ms": ..., "decode_ms": ...}``; empty
+        without images.
     """
 
     features: Mapping[str, Feature]
@@ -165,6 +159,7 @@ class Schema:
     options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     fingerprint: str = ""
     stats: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    storage: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     format_version: int = FORMAT_VERSION
 
     @property
@@ -203,16 +198,6 @@ class Schema:
         """The feature spec for ``tf.io.parse_example`` / ``parse_single_example``."""
         return {name: f.parse_spec() for name, f in self.features.items()}
 
-    def serialize(self, values: Mapping[str, Any]) -> bytes:
-        """Encodes one record (a dict feature name -> value) as a serialized tf.train.Example."""
-        import tensorflow as tf
-
-        feature = {name: self.features[name].to_proto(v) for name, v in values.items()}
-        example = tf.train.Example(features=tf.train.Features(feature=feature))
-        # deterministic: map order otherwise follows the process's string hash seed, and the
-        # same conversion must give byte-identical shards in every process.
-        return example.SerializeToString(deterministic=True)
-
     def to_json(self) -> dict:
         return {
             "format_version": self.format_version,
@@ -226,6 +211,7 @@ class Schema:
             "options": dict(self.options),
             "fingerprint": self.fingerprint,
             "stats": dict(self.stats),
+            "storage": dict(self.storage),
         }
 
     @classmethod
@@ -240,6 +226,7 @@ class Schema:
             options=d.get("options", {}),
             fingerprint=d.get("fingerprint", ""),
             stats=d.get("stats", {}),
+            storage=d.get("storage", {}),
             format_version=d["format_version"],
         )
 

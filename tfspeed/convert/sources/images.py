@@ -10,19 +10,20 @@ from collections.abc import Iterable, Iterator
 
 import numpy as np
 
-from tfspeed.data.schema import Feature
-from tfspeed.data.sources.arrays import array_source
-from tfspeed.data.sources.base import (
+from tfspeed.convert.sources.arrays import array_source
+from tfspeed.convert.sources.base import (
+    IMAGE,
     LABEL,
     Chunk,
     Skip,
     Source,
     SourceOptions,
     content_hash,
+    image_shape,
     ordered_splits,
     train_validation,
 )
-from tfspeed.data.sources.encoding import image_or_skip
+from tfspeed.convert.sources.encoding import ImageStorage, image_or_skip
 from tfspeed.errors import UsageError
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff")
@@ -32,18 +33,17 @@ _SPLIT_DIRS["validation"] = "validation"
 
 @dataclasses.dataclass(frozen=True)
 class ImageFilesChunk:
-    """Image files (paths relative to ``root``) with their labels."""
+    """Image files (paths relative to ``root``) with their labels, stored by ``storage``."""
 
     root: str
     items: tuple[tuple[str, int], ...]
-    image_format: str
-    max_side: int
+    storage: ImageStorage
 
     def records(self) -> Iterator[dict | Skip]:
         for relpath, label in self.items:
             path = os.path.join(self.root, relpath)
-            image = image_or_skip(path, pathlib.Path(path), self.image_format, self.max_side)
-            yield image if isinstance(image, Skip) else {"image": image, "label": label}
+            image = image_or_skip(path, pathlib.Path(path), self.storage)
+            yield image if isinstance(image, Skip) else {IMAGE: image, "label": label}
 
 
 def open_imagefolder(root: str, opts: SourceOptions) -> Source:
@@ -59,41 +59,36 @@ def open_imagefolder(root: str, opts: SourceOptions) -> Source:
         options = {}
     items = {s: items[s] for s in ordered_splits(items) if items[s]}
 
-    def make_chunk(split: str, start: int, stop: int) -> Chunk:
+    def make_chunk(split: str, start: int, stop: int, storage: ImageStorage) -> Chunk:
         chosen = tuple((rel, label) for rel, label, _ in items[split][start:stop])
-        return ImageFilesChunk(root, chosen, opts.image_format, opts.image_max_side)
+        return ImageFilesChunk(root, chosen, storage)
 
     return Source(
-        features=(Feature("image", "uint8", (None, None, 3), opts.image_format), LABEL),
-        inputs="image",
+        features=(LABEL,),
+        inputs=IMAGE,
         class_names=class_names,
         splits={s: len(v) for s, v in items.items()},
         split_bytes={s: sum(st.st_size for _, _, st in v) for s, v in items.items()},
         identity=content_hash([[rel, st.st_size, st.st_mtime_ns] for rel, _, st in everything]),
-        options={
-            **options,
-            "seed": opts.seed,
-            "image_format": opts.image_format,
-            "image_max_side": opts.image_max_side,
-        },
+        options={**options, "seed": opts.seed},
         make_chunk=make_chunk,
+        image_shape=image_shape(opts, (None, None, 3)),
     )
 
 
 def open_digits(arg: str, opts: SourceOptions) -> Source:
-    """scikit-learn's 8x8 digits as PNG images, split into train/validation by ``opts``."""
+    """scikit-learn's 8x8 digits as images, split into train/validation by ``opts``."""
     from sklearn.datasets import load_digits
 
     digits = load_digits()
     images = np.round(digits.images * 255 / 16).astype(np.uint8)[..., None]
     return array_source(
-        {"image": images, "label": digits.target.astype(np.int64)},
-        features=(Feature("image", "uint8", (8, 8, 1), "png"),),
+        {IMAGE: images, "label": digits.target.astype(np.int64)},
+        features=(),
         class_names=[str(i) for i in range(10)],
         identity=content_hash("sklearn-digits-v1"),  # bundled with scikit-learn: constant content
         options={},
         opts=opts,
-        images={"image": "png"},
     )
 
 

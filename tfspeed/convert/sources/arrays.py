@@ -3,34 +3,36 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-from tfspeed.data.schema import Feature, standardize_stats
-from tfspeed.data.sources.base import (
+from tfspeed.convert.sources.base import (
+    IMAGE,
     LABEL,
     Chunk,
     Skip,
     Source,
     SourceOptions,
+    image_shape,
     train_validation,
 )
-from tfspeed.data.sources.encoding import encode_array
+from tfspeed.convert.sources.encoding import ImageStorage
+from tfspeed.data.schema import Feature, standardize_stats
 
 
 @dataclasses.dataclass(frozen=True)
 class ArrayChunk:
-    """Records from in-memory arrays (one row per record); ``images`` maps feature -> format."""
+    """Records from in-memory arrays (one row per record); ``image`` stored by ``storage``."""
 
     arrays: dict[str, np.ndarray]
-    images: dict[str, str] = dataclasses.field(default_factory=dict)
+    storage: ImageStorage | None = None
 
     def records(self) -> Iterator[dict | Skip]:
         for i in range(len(self.arrays["label"])):
             record = {name: array[i] for name, array in self.arrays.items()}
-            for name, image_format in self.images.items():
-                record[name] = encode_array(record[name], image_format)
+            if self.storage is not None:
+                record[IMAGE] = self.storage.from_array(record[IMAGE])
             yield record
 
 
@@ -42,18 +44,18 @@ def array_source(
     identity: str,
     options: dict,
     opts: SourceOptions,
-    images: Mapping[str, str] | None = None,
 ) -> Source:
     """A source over in-memory arrays split into train/validation by ``opts``.
 
     Args:
-      arrays: feature name -> array, one row per item, including ``label`` (int64 ids).
-      features: the features besides the label; the first is the model input.
+      arrays: feature name -> array, one row per item, including ``label`` (int64 ids) and,
+        for an image source, ``image`` (uint8 ``(N, H, W, C)``, stored as the converter says).
+      features: the features besides the label and the image; without an image the first
+        one is the model input.
       class_names: label ``i`` is ``class_names[i]``.
       identity: the content identity of what the arrays were loaded from.
       options: the kind's own record-shaping options (the split options are added).
       opts: the converter options.
-      images: feature name -> image format, for uint8 arrays stored as encoded images.
 
     Returns:
       The `Source`; float features carry train-split mean/std in ``stats``.
@@ -67,19 +69,22 @@ def array_source(
         for f in features
         if f.encoding == "float"  # uint8 arrays are images: the reader scales them
     }
+    has_image = IMAGE in arrays
 
-    def make_chunk(split: str, start: int, stop: int) -> Chunk:
+    def make_chunk(split: str, start: int, stop: int, storage: ImageStorage | None = None) -> Chunk:
         rows = index[split][start:stop]
-        return ArrayChunk({name: a[rows] for name, a in arrays.items()}, dict(images or {}))
+        chosen = {name: a[rows] for name, a in arrays.items()}
+        return ArrayChunk(chosen, storage if has_image else None)
 
     return Source(
         features=(*features, LABEL),
-        inputs=features[0].name,
+        inputs=IMAGE if has_image else features[0].name,
         class_names=tuple(class_names),
         splits={s: len(idx) for s, idx in index.items()},
         split_bytes={s: len(idx) * per_record for s, idx in index.items()},
         identity=identity,
         options={**options, "validation_fraction": opts.validation_fraction, "seed": opts.seed},
         make_chunk=make_chunk,
+        image_shape=image_shape(opts, arrays[IMAGE].shape[1:]) if has_image else None,
         stats=stats,
     )

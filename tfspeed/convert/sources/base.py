@@ -14,15 +14,17 @@ import numpy as np
 from tfspeed.data.schema import Feature
 
 LABEL = Feature("label", "int64", (), "int")  # every source's label feature
+IMAGE = "image"  # the image feature of every image source
 _SPLIT_ORDER = ("train", "validation", "test")
 
 
 @dataclasses.dataclass(frozen=True)
 class SourceOptions:
-    """The converter options that shape the records (see `tfspeed.data.convert.convert`)."""
+    """The converter options that shape the records (see `tfspeed.convert.convert`)."""
 
-    image_format: str = "jpeg"
+    image_format: str = "auto"
     image_max_side: int = 0
+    image_size: int = 0
     label_column: str = "label"
     validation_fraction: float = 0.1
     seed: int = 0
@@ -40,6 +42,21 @@ class Skip:
         return {"item": self.item, "reason": self.reason}
 
 
+@dataclasses.dataclass(frozen=True)
+class StoredImage:
+    """An image as a record stores it, and its size (the writer gathers min/max sides).
+
+    Attributes:
+      value: the encoded image (jpeg, png), or the uint8 ``(H, W, C)`` array (raw).
+      height: its height in pixels.
+      width: its width in pixels.
+    """
+
+    value: bytes | np.ndarray
+    height: int
+    width: int
+
+
 class Chunk(Protocol):
     """A picklable slice of one split; ``records()`` yields record dicts or `Skip`s."""
 
@@ -51,14 +68,18 @@ class Source:
     """An opened source.
 
     Attributes:
-      features: the record's features; the label is always ``label`` (int64, shape []).
+      features: the record's features but the image; the label is always ``label`` (int64,
+        shape []).
       inputs: name of the model-input feature.
       class_names: label ``i`` is ``class_names[i]``.
       splits: split name -> number of items, in output order.
       split_bytes: split name -> estimated encoded bytes (for the automatic shard count).
       identity: sha256 of the source's content identity (paths, sizes, mtimes).
       options: the options this kind used (they shape the records).
-      make_chunk: ``(split, start, stop) -> Chunk`` over items ``[start, stop)`` of a split.
+      make_chunk: ``(split, start, stop, storage) -> Chunk`` over items ``[start, stop)`` of
+        a split, its images stored as the `ImageStorage` says (ignored without images).
+      image_shape: the shape of the stored ``image`` feature, ``None`` where sides vary;
+        None for a source without images.
       stats: per-feature mean/std of the train split for numeric features.
     """
 
@@ -69,8 +90,24 @@ class Source:
     split_bytes: dict[str, int]
     identity: str
     options: dict[str, Any]
-    make_chunk: Callable[[str, int, int], Chunk]
+    make_chunk: Callable[..., Chunk]
+    image_shape: tuple[int | None, ...] | None = None
     stats: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def features_with(self, image_format: str) -> tuple[Feature, ...]:
+        """All the record's features, the image (if any) first, stored as ``image_format``."""
+        if self.image_shape is None:
+            return self.features
+        return (Feature(IMAGE, "uint8", self.image_shape, image_format), *self.features)
+
+
+def image_shape(opts: SourceOptions, shape: tuple[int | None, ...]) -> tuple[int | None, ...]:
+    """The stored shape of images of ``shape`` (H, W, C) under the image options."""
+    if opts.image_size:
+        return (opts.image_size, opts.image_size, shape[-1])
+    if None in shape or (opts.image_max_side and max(shape[:2]) > opts.image_max_side):
+        return (None, None, shape[-1])
+    return tuple(shape)
 
 
 def ordered_splits(names: Iterable[str]) -> list[str]:

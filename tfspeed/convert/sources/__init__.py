@@ -8,7 +8,8 @@ so they run in parallel, one chunk per shard.
 Kinds: ``imagefolder:PATH``, ``csv:PATH``, ``npz:PATH``, ``tfds:NAME``, ``digits``.
 
   base.py      Source, Chunk, Skip, SourceOptions; split and identity helpers
-  encoding.py  deterministic image encoding (or a Skip for a bad image)
+  encoding.py  how images are stored: ImageStorage (jpeg, png, raw; resized), or a Skip
+  resize.py    TF's bilinear resize in numpy (for --image_size)
   arrays.py    a Source over in-memory arrays (what csv, npz and digits load into)
   images.py    imagefolder, digits
   tables.py    csv, npz
@@ -19,32 +20,34 @@ from __future__ import annotations
 
 import os
 
-from tfspeed.data.sources.arrays import ArrayChunk
-from tfspeed.data.sources.base import Chunk, Skip, Source, SourceOptions
-from tfspeed.data.sources.encoding import JPEG_QUALITY, encode_array, encode_image
-from tfspeed.data.sources.images import (
+from tfspeed.convert.sources.arrays import ArrayChunk
+from tfspeed.convert.sources.base import IMAGE, Chunk, Skip, Source, SourceOptions, StoredImage
+from tfspeed.convert.sources.encoding import FORMATS, JPEG_QUALITY, ImageStorage
+from tfspeed.convert.sources.images import (
     IMAGE_EXTENSIONS,
     ImageFilesChunk,
     open_digits,
     open_imagefolder,
 )
-from tfspeed.data.sources.tables import open_csv, open_npz
-from tfspeed.data.sources.tfds import TfdsChunk, open_tfds
+from tfspeed.convert.sources.tables import open_csv, open_npz
+from tfspeed.convert.sources.tfds import TfdsChunk, open_tfds
 from tfspeed.errors import UsageError
 
 __all__ = [
+    "FORMATS",
+    "IMAGE",
     "IMAGE_EXTENSIONS",
     "JPEG_QUALITY",
     "KINDS",
     "ArrayChunk",
     "Chunk",
     "ImageFilesChunk",
+    "ImageStorage",
     "Skip",
     "Source",
     "SourceOptions",
+    "StoredImage",
     "TfdsChunk",
-    "encode_array",
-    "encode_image",
     "open_source",
 ]
 

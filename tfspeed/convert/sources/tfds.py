@@ -7,16 +7,17 @@ import functools
 import os
 from collections.abc import Iterator
 
-from tfspeed.data.schema import Feature
-from tfspeed.data.sources.base import (
+from tfspeed.convert.sources.base import (
+    IMAGE,
     LABEL,
     Skip,
     Source,
     SourceOptions,
     content_hash,
+    image_shape,
     ordered_splits,
 )
-from tfspeed.data.sources.encoding import image_or_skip
+from tfspeed.convert.sources.encoding import ImageStorage, image_or_skip
 from tfspeed.errors import UsageError
 
 
@@ -27,12 +28,10 @@ class TfdsChunk:
     name: str
     data_dir: str | None
     keys: tuple[str, str]  # (image, label)
-    image_format: str
-    max_side: int
-    channels: int
     split: str
     start: int
     stop: int
+    storage: ImageStorage
 
     def records(self) -> Iterator[dict | Skip]:
         import tensorflow_datasets as tfds
@@ -45,17 +44,12 @@ class TfdsChunk:
             read_config=tfds.ReadConfig(interleave_cycle_length=1, try_autocache=False),
         )
         for i, example in enumerate(dataset.as_numpy_iterator()):
-            image = image_or_skip(
-                f"tfds:{self.name}/{self.split}[{self.start + i}]",
-                example[image_key],
-                self.image_format,
-                self.max_side,
-                self.channels,
-            )
+            item = f"tfds:{self.name}/{self.split}[{self.start + i}]"
+            image = image_or_skip(item, example[image_key], self.storage)
             if isinstance(image, Skip):
                 yield image
             else:
-                yield {"image": image, "label": int(example[label_key])}
+                yield {IMAGE: image, "label": int(example[label_key])}
 
 
 def open_tfds(name: str, opts: SourceOptions) -> Source:
@@ -64,43 +58,32 @@ def open_tfds(name: str, opts: SourceOptions) -> Source:
     info = builder.info
     image_key, label_key = _tfds_keys(name, info)
     shape = tuple(info.features[image_key].shape)
-    channels = shape[-1]
-    if channels not in (1, 3):
+    if shape[-1] not in (1, 3):
         raise UsageError(
-            f"TFDS dataset {name}: image {image_key!r} has {channels} channels; 1 or 3 convert"
+            f"TFDS dataset {name}: image {image_key!r} has {shape[-1]} channels; 1 or 3 convert"
         )
-    if None in shape or (opts.image_max_side and max(shape[:2]) > opts.image_max_side):
-        shape = (None, None, channels)
     splits = {s: info.splits[s].num_examples for s in ordered_splits(info.splits)}
     splits = {s: n for s, n in splits.items() if n}
     files = [(f, os.stat(os.path.join(builder.data_dir, f))) for f in os.listdir(builder.data_dir)]
     return Source(
-        features=(Feature("image", "uint8", shape, opts.image_format), LABEL),
-        inputs="image",
+        features=(LABEL,),
+        inputs=IMAGE,
         class_names=tuple(info.features[label_key].names),
         splits=splits,
         split_bytes={s: int(info.splits[s].num_bytes) for s in splits},
         identity=content_hash([name, sorted((f, st.st_size, st.st_mtime_ns) for f, st in files)]),
-        options={
-            "image_format": opts.image_format,
-            "image_max_side": opts.image_max_side,
-            "tfds_data_dir": opts.tfds_data_dir,
-        },
-        make_chunk=functools.partial(
-            TfdsChunk,
-            name,
-            opts.tfds_data_dir,
-            (image_key, label_key),
-            opts.image_format,
-            opts.image_max_side,
-            channels,
-        ),
+        options={"tfds_data_dir": opts.tfds_data_dir},
+        make_chunk=functools.partial(TfdsChunk, name, opts.tfds_data_dir, (image_key, label_key)),
+        image_shape=image_shape(opts, shape),
     )
 
 
 @functools.lru_cache(maxsize=4)
 def _tfds_builder(name: str, data_dir: str | None):
     """The builder of a prepared TFDS dataset; never downloads (UsageError if unprepared)."""
+    from tfspeed.cli import import_tensorflow_quietly
+
+    import_tensorflow_quietly()  # TFDS imports TF; keep its start-up banner off stderr
     import tensorflow_datasets as tfds
 
     fix = (

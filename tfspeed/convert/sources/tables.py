@@ -8,9 +8,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from tfspeed.convert.sources.arrays import array_source
+from tfspeed.convert.sources.base import Source, SourceOptions, file_identity
 from tfspeed.data.schema import Feature
-from tfspeed.data.sources.arrays import array_source
-from tfspeed.data.sources.base import Source, SourceOptions, file_identity
 from tfspeed.errors import UsageError
 
 # ---------------------------------------------------------------- csv

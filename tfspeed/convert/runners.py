@@ -1,7 +1,7 @@
 """Runners: who writes a conversion's shards. The "what" (the shard tasks, their chunks and
 `writer.write_shard`) is shared; a runner only decides where the writing happens.
 
-  LocalRunner  this process (workers=1) or a pool of spawned processes: the default
+  LocalRunner  this process, with workers - 1 spawned processes beside it: the default
   BeamRunner   an Apache Beam pipeline: the DirectRunner on this machine, or Dataflow, Flink or
                Spark, chosen by Beam's own options (``--beam_options="--runner=FlinkRunner ..."``)
 
@@ -12,6 +12,7 @@ killed under one resumes under either, keeping the shards already recorded.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import io
@@ -20,9 +21,11 @@ import shlex
 from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol
 
-from tfspeed.data import writer
+from tfspeed.convert import pool as pool_lib
+from tfspeed.convert import writer
+from tfspeed.convert.plan import Plan
+from tfspeed.convert.sources import Chunk
 from tfspeed.data.schema import Schema
-from tfspeed.data.sources import Chunk
 from tfspeed.errors import UsageError
 
 RUNNERS = ("local", "beam")
@@ -32,9 +35,12 @@ BEAM_INSTALL = "pip install 'tfspeed[beam]'"
 class Runner(Protocol):
     """Writes shard tasks."""
 
+    def started(self, expected_tasks: int) -> contextlib.AbstractContextManager:
+        """Holds what the runner needs (worker processes) ready while the block runs."""
+
     def write(
         self,
-        plan: writer.Plan,
+        plan: Plan,
         tasks: Sequence[writer.ShardTask],
         make_chunk: Callable[[str, int, int], Chunk],
         template: Schema,
@@ -76,18 +82,36 @@ def make_runner(name: str, *, workers: int = 1, beam_options: str = "") -> Runne
     raise UsageError(f"--runner={name}: use one of {', '.join(RUNNERS)}")
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass
 class LocalRunner:
-    """Writes in this process (``workers`` = 1) or in ``workers`` spawned processes."""
+    """Writes with ``workers`` writers: this process and ``workers - 1`` spawned processes."""
 
     workers: int = 1
+    pool: concurrent.futures.Executor | None = dataclasses.field(
+        default=None, compare=False, repr=False
+    )
+
+    @contextlib.contextmanager
+    def started(self, expected_tasks: int) -> Iterator[None]:
+        """Starts the spawned processes now (up to ``expected_tasks`` of them), so that their
+        start-up overlaps with listing the source; stops them when the block ends."""
+        helpers = self.workers - 1  # this process writes shards too
+        pool = pool_lib.start_pool(helpers, min(helpers, expected_tasks)) if helpers else None
+        self.pool, finished = pool, False
+        try:
+            yield
+            finished = True
+        finally:
+            self.pool = None
+            if pool:
+                pool.shutdown(wait=finished, cancel_futures=not finished)
 
     def write(self, plan, tasks, make_chunk, template, *, on_result, on_record=None) -> None:
         def done(result: writer.ShardResult) -> None:
             plan.record(result)  # only after its rename: a recorded shard is a complete file
             on_result(result)
 
-        writer.write_shards(
+        pool_lib.write_shards(
             plan.out_dir,
             tasks,
             make_chunk,
@@ -95,6 +119,7 @@ class LocalRunner:
             workers=self.workers,
             on_result=done,
             on_record=on_record,
+            pool=self.pool,
         )
 
 
@@ -111,6 +136,9 @@ class BeamRunner:
     """
 
     argv: tuple[str, ...] = ()
+
+    def started(self, expected_tasks: int) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()  # Beam starts its workers itself
 
     @classmethod
     def from_options(cls, text: str) -> BeamRunner:
@@ -175,7 +203,7 @@ class BeamRunner:
 
 
 def _write_and_record(
-    work: tuple[writer.ShardTask, Chunk], plan: writer.Plan, template: Schema
+    work: tuple[writer.ShardTask, Chunk], plan: Plan, template: Schema
 ) -> writer.ShardResult:
     """Runs on a Beam worker: writes one shard, then records it (after its rename)."""
     task, chunk = work

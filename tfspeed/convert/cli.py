@@ -1,0 +1,213 @@
+"""The converter's command line: converts a dataset into TFRecord shards plus ``schema.json``.
+
+  python scripts/to_tfrecord.py --source=digits --output=data/digits
+  python scripts/to_tfrecord.py --source=imagefolder:/data/photos --output=/data/tfr --image_size=224
+  python scripts/to_tfrecord.py --source=imagefolder:/data/photos --output=/data/tfr --runner=beam \
+      --beam_options="--direct_num_workers=8 --direct_running_mode=multi_processing"
+
+Sources: imagefolder:PATH, csv:PATH, npz:PATH, tfds:NAME (prepared in --tfds_data_dir), digits.
+Rerunning an interrupted command resumes it; rerunning a finished one returns at once.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Sequence
+
+from absl import flags, logging
+
+from tfspeed.convert import runners, sources
+from tfspeed.convert.converter import ConvertResult, convert
+from tfspeed.errors import UsageError, exit_on_usage_error
+
+_FLAGS = flags.FlagValues()  # our own: importing convert() must not add flags to a trainer's
+_SOURCE = flags.DEFINE_string(
+    "source", None, f"What to convert: {', '.join(sources.KINDS)}.", flag_values=_FLAGS
+)
+_OUTPUT = flags.DEFINE_string(
+    "output", None, "Output directory for the shards and schema.json.", flag_values=_FLAGS
+)
+_SHARDS = flags.DEFINE_integer(
+    "shards",
+    0,
+    "Shards of the train split (others proportionally); 0 = automatic: 16, or about "
+    "--target_shard_mb each, whichever gives more.",
+    flag_values=_FLAGS,
+)
+_TARGET_SHARD_MB = flags.DEFINE_float(
+    "target_shard_mb", 128.0, "Shard size aimed at when --shards=0.", flag_values=_FLAGS
+)
+_VALIDATION_FRACTION = flags.DEFINE_float(
+    "validation_fraction",
+    0.1,
+    "Share held out as validation when the source has no splits; 0 = train only.",
+    flag_values=_FLAGS,
+)
+_SEED = flags.DEFINE_integer("seed", 0, "Seeds the split and the record order.", flag_values=_FLAGS)
+_WORKERS = flags.DEFINE_integer(
+    "workers",
+    None,
+    "Processes writing shards with --runner=local (default: the CPUs available).",
+    flag_values=_FLAGS,
+)
+_RUNNER = flags.DEFINE_enum(
+    "runner",
+    "local",
+    list(runners.RUNNERS),
+    "Who writes the shards: local (this machine) or beam (an Apache Beam pipeline; "
+    f"{runners.BEAM_INSTALL}). Same output bytes.",
+    flag_values=_FLAGS,
+)
+_BEAM_OPTIONS = flags.DEFINE_string(
+    "beam_options",
+    "",
+    "Beam pipeline options for --runner=beam, one quoted string, e.g. "
+    '"--direct_num_workers=2 --direct_running_mode=multi_processing" or '
+    '"--runner=FlinkRunner --flink_master=host:8081".',
+    flag_values=_FLAGS,
+)
+_IMAGE_SIZE = flags.DEFINE_integer(
+    "image_size",
+    0,
+    "Store images ready for N x N training: the pixels tf.image.resize(decode_jpeg(...), "
+    "[N, N]) gives (bilinear, aspect squashed); 0 = keep the sizes.",
+    flag_values=_FLAGS,
+)
+_IMAGE_MAX_SIDE = flags.DEFINE_integer(
+    "image_max_side",
+    0,
+    "Shrink images so the long side is at most this, aspect kept (for random-resized "
+    "crops); 0 = keep. Not with --image_size.",
+    flag_values=_FLAGS,
+)
+_IMAGE_FORMAT = flags.DEFINE_enum(
+    "image_format",
+    "auto",
+    ["auto", *sources.FORMATS],
+    "How images are stored: raw (uint8 pixels; needs one image size), jpeg (quality "
+    f"{sources.JPEG_QUALITY}), png, or auto: raw where reading it is measured faster than "
+    "decoding JPEG and it fits --raw_budget_mb, else jpeg.",
+    flag_values=_FLAGS,
+)
+_RAW_BUDGET_MB = flags.DEFINE_float(
+    "raw_budget_mb",
+    None,
+    "Largest dataset (MB, stored raw) that --image_format=auto stores raw "
+    "(default: a quarter of this machine's RAM, so it stays in the page cache).",
+    flag_values=_FLAGS,
+)
+_LABEL_COLUMN = flags.DEFINE_string(
+    "label_column", "label", "CSV column holding the labels.", flag_values=_FLAGS
+)
+_TFDS_DATA_DIR = flags.DEFINE_string(
+    "tfds_data_dir", None, "Where the tfds: dataset is prepared.", flag_values=_FLAGS
+)
+_OVERWRITE = flags.DEFINE_bool(
+    "overwrite", False, "Replace another dataset's shards in --output.", flag_values=_FLAGS
+)
+_PROGRESS = flags.DEFINE_bool(
+    "progress", True, "Show a progress bar on a terminal.", flag_values=_FLAGS
+)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The CLI: returns the exit status (2 and one ``error:`` line for a usage error)."""
+    return exit_on_usage_error(lambda: _main(list(sys.argv if argv is None else argv)))
+
+
+def run(argv: Sequence[str] | None = None) -> None:
+    """CLI entry point (``tfspeed.cli.convert_main`` wraps it with a quiet TF import)."""
+    sys.exit(main(argv))
+
+
+def _main(argv: list[str]) -> int:
+    if any(arg in ("-h", "-help", "--help", "--helpfull") for arg in argv[1:]):
+        print(f"{__doc__}\nflags:\n{_FLAGS.get_help()}")
+        return 0
+    _parse(argv)
+    _log_to_stderr()
+    workers = _WORKERS.value if _WORKERS.value is not None else _cpu_count()
+    result = convert(
+        _SOURCE.value,
+        _OUTPUT.value,
+        shards=_SHARDS.value,
+        target_shard_mb=_TARGET_SHARD_MB.value,
+        validation_fraction=_VALIDATION_FRACTION.value,
+        seed=_SEED.value,
+        workers=workers,
+        runner=_RUNNER.value,
+        beam_options=_BEAM_OPTIONS.value,
+        image_size=_IMAGE_SIZE.value,
+        image_max_side=_IMAGE_MAX_SIDE.value,
+        image_format=_IMAGE_FORMAT.value,
+        raw_budget_mb=_RAW_BUDGET_MB.value,
+        label_column=_LABEL_COLUMN.value,
+        tfds_data_dir=_TFDS_DATA_DIR.value,
+        overwrite=_OVERWRITE.value,
+        progress=_PROGRESS.value,
+    )
+    print(summary_line(result))
+    return 0
+
+
+def _parse(argv: list[str]) -> None:
+    """Parses the flags; every problem is a UsageError (one line, exit status 2)."""
+    _FLAGS.unparse_flags()  # run() may be called more than once in a process (tests)
+    try:
+        rest = _FLAGS(argv)
+    except flags.Error as e:
+        raise UsageError(f"{e}; see --help") from None
+    if len(rest) > 1:
+        raise UsageError(f"unexpected argument {rest[1]!r}; options are --flags, see --help")
+    if _SOURCE.value is None:
+        raise UsageError(f"--source is required: one of {', '.join(sources.KINDS)}")
+    if _OUTPUT.value is None:
+        raise UsageError("--output is required: the directory to write the shards into")
+    if _RUNNER.value == "beam" and _WORKERS.present:
+        raise UsageError(
+            "--workers is for --runner=local; with --runner=beam set Beam's parallelism in "
+            '--beam_options, e.g. "--direct_num_workers=4 --direct_running_mode=multi_processing"'
+        )
+
+
+def _log_to_stderr() -> None:
+    """absl's log format on the current sys.stderr, as absl.app.run would set up.
+
+    app.run itself can run only once per process, and run() is called many times in tests.
+    """
+    if not flags.FLAGS.is_parsed():  # else whoever parsed the global flags owns logging
+        flags.FLAGS.mark_as_parsed()
+        flags.FLAGS.logtostderr = True  # follow sys.stderr even when it is replaced
+    logging.use_absl_handler()
+    logging.set_verbosity(logging.WARNING)  # TFDS' INFO chatter is not for this tool's users
+
+
+def _cpu_count() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def summary_line(result: ConvertResult) -> str:
+    """One line for humans: records, speed, bytes, shards per split, skipped items."""
+    s, schema = result.summary, result.schema
+    if result.already_converted:
+        return (
+            f"already converted: {result.output} holds {schema.source} ({s['records']} records, "
+            f"fingerprint {schema.fingerprint[:12]}); nothing to do"
+        )
+    splits = ", ".join(
+        f"{name} {split.num_records} in {len(split.shards)} shard"
+        f"{'s' if len(split.shards) != 1 else ''}"
+        for name, split in schema.splits.items()
+    )
+    resumed = (
+        f"; kept {s['resumed_shards']} shards of an earlier run" if s["resumed_shards"] else ""
+    )
+    return (
+        f"converted {schema.source} into {result.output}: {s['records']} records ({splits}), "
+        f"{s['bytes'] / 1e6:.1f} MB, {s['skipped']} skipped, {s['seconds']:.1f} s "
+        f"({s['records_per_sec']:.0f} records/s){resumed}"
+    )
