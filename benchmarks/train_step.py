@@ -129,7 +129,7 @@ def run_ceiling(data_dir: str, batch: int) -> dict:
                     loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(
                         tf.gather(source.labels, rows), logits, from_logits=True))
                 grads = tape.gradient(loss, model.trainable_variables)
-                optimizer.apply_gradients(zip(grads, model.trainable_variables))
+                optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
             return loss
 
         figures[f"ceiling_{policy}"] = _best_rate(lambda: epoch().numpy(), per_epoch * batch)

@@ -201,7 +201,7 @@ def test_a_second_conversion_into_a_busy_output_names_the_first(tmp_path, capsys
     first = _script(*args)
     try:
         deadline = time.monotonic() + 120
-        while not (out / writer.PLAN_FILE).exists():  # written under the lock
+        while not (out / plan_lib.PLAN_FILE).exists():  # written under the lock
             assert first.poll() is None and time.monotonic() < deadline, first.communicate()
             time.sleep(0.002)
         status, _, err = _run(capsys, *args)

@@ -110,9 +110,9 @@ def _decode(feature, config, schema, split, keep_uint8: bool):
 
 
 def _min_side(schema, split) -> int:
-    """The shorter side of the split's smallest stored image, if the converter recorded it."""
-    storage = getattr(schema, "storage", None) or {}
-    sides = storage.get("image_sides", {}).get(split) if isinstance(storage, dict) else None
+    """The shorter side of the split's smallest stored image (0 if the converter did not
+    record it)."""
+    sides = schema.split(split).image_sides
     return int(sides.get("min", 0)) if sides else 0
 
 
