@@ -112,8 +112,8 @@ def _decode(feature, config, schema, split, keep_uint8: bool):
 def _min_side(schema, split) -> int:
     """The shorter side of the split's smallest stored image (0 if the converter did not
     record it)."""
-    sides = schema.split(split).image_sides
-    return int(sides.get("min", 0)) if sides else 0
+    sides = schema.split(split).image_sides  # (shortest short side, longest long side)
+    return int(sides[0]) if sides else 0
 
 
 def _augment(feature, config, names, keep_uint8: bool):
