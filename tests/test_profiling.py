@@ -11,7 +11,7 @@ from tfspeed.train import run
 
 def _config(data_dir, model_dir, **train):
     return Config(
-        data=DataConfig(data_dir=data_dir, batch_size=32),
+        data=DataConfig(data_dir=data_dir, batch_size=32, input_placement="host"),
         model=ModelConfig(name="mlp", width=16),
         runtime=RuntimeConfig(precision="float32"),
         train=TrainConfig(train_steps=16, steps_per_execution=4, log_every=4, **train),

@@ -98,10 +98,10 @@ def test_on_corrupt_flag_reaches_the_pipeline(digits_dir, tmp_path):
 
 
 def test_full_disk_for_model_dir(digits_dir, tmp_path):
-    """A real 300 KB tmpfs as --model_dir: the checkpoint cannot be written."""
+    """A real 40 KB tmpfs as --model_dir: the checkpoint cannot be written."""
     mount = tmp_path / "tiny"
     mount.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=300k", "tmpfs", str(mount)],
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=40k", "tmpfs", str(mount)],
                              capture_output=True).returncode == 0
     try:
         target = mount if mounted else tmp_path / "read_only"

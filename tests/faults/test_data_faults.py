@@ -275,7 +275,8 @@ def test_a_run_goes_on_past_damaged_disk_caches_of_train_and_eval(digits_dir, tm
 
     def run_once(model_dir):
         return run(Config(
-            data=DataConfig(data_dir=data_dir, batch_size=64, cache="disk", shuffle=False),
+            data=DataConfig(data_dir=data_dir, batch_size=64, cache="disk", shuffle=False,
+                            input_placement="host"),  # the train split read through tf.data
             model=ModelConfig(name="mlp", width=16),
             runtime=RuntimeConfig(strategy="default", precision="float32", xla="off"),
             train=TrainConfig(epochs=2, steps_per_execution=1, log_every=50),
