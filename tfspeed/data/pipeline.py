@@ -297,9 +297,14 @@ def _count_epoch(groups, split, expected, config):
 def input_shape(schema: schema_lib.Schema, config: DataConfig) -> tuple[int, ...]:
     """The shape of one model input (no batch dimension) that the pipeline produces."""
     feature = schema.input_feature
-    if feature.is_image and config.image_size:
+    if is_image(feature) and config.image_size:
         return (config.image_size, config.image_size, feature.shape[-1])
     return tuple(feature.shape)
+
+
+def is_image(feature) -> bool:
+    """Encoded (JPEG/PNG) or raw (uint8, height × width × channels) images."""
+    return feature.is_image or (feature.dtype == "uint8" and len(feature.shape) == 3)
 
 
 def _check_input_fits(schema: schema_lib.Schema, config: DataConfig) -> None:
