@@ -4,8 +4,9 @@
 
 The images are crops of the photographs bundled with scikit-learn and scikit-image,
 256-512 px a side, JPEG q90 (``tfspeed.bench.make_photos``): never generated images, which
-decode and compress unlike photos. In one run, each pipeline timed for a whole epoch, best
-of ``--rounds`` interleaved rounds (this machine is shared):
+decode and compress unlike photos. In one run, each pipeline in a process of its own (no
+other pipeline's threads or buffers), in ``--rounds`` rounds over all of them, timed for
+``--epochs`` whole epochs each; the best epoch counts (this machine is shared):
 
   peers    the TF guide's file pipeline (from_tensor_slices(paths).map(read + decode +
            resize, AUTOTUNE).batch.prefetch), and plain TFRecords + interleave + AUTOTUNE;
@@ -31,15 +32,17 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import tensorflow as tf  # noqa: E402
 from absl import app, flags  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
 from tfspeed import bench  # noqa: E402
-from tfspeed.convert import convert  # noqa: E402
 from tfspeed.data import DataConfig, build, build_from_config  # noqa: E402
 
 _IMAGES = flags.DEFINE_integer("images", 3000, "Photos to cut from the sample photographs.")
 _CLASSES = flags.DEFINE_integer("classes", 4, "Class folders.")
 _WORKDIR = flags.DEFINE_string("workdir", "/tmp/tfspeed-bench", "Images, shards and caches.")
-_ROUNDS = flags.DEFINE_integer("rounds", 3, "Interleaved rounds; each pipeline's best counts.")
+_ROUNDS = flags.DEFINE_integer("rounds", 2, "Rounds over all pipelines (a process each).")
+_EPOCHS = flags.DEFINE_integer("epochs", 3, "Timed epochs per pipeline and round.")
+_PIPELINE = flags.DEFINE_string("pipeline", "", "Internal: time this pipeline alone.")
 
 SIZE, BATCH = 224, 64
 AUTOTUNE = tf.data.AUTOTUNE
@@ -103,48 +106,78 @@ def decode_limit(items) -> tf.data.Dataset:
 
 
 def bare_memory_loop(data_dir: str, dtype: str) -> tf.data.Dataset:
-    """The same decoded uint8 images in a plain in-memory cache -> batch (-> cast)."""
+    """The machine's limit for the warm path: the same decoded uint8 images in a plain
+    in-memory cache -> batch (-> cast to float), each stage as parallel as tf.data allows,
+    and nothing else (no shuffle, no accounting)."""
     config = DataConfig(data_dir=data_dir, batch_size=BATCH, cache="none")
     ds = build_from_config(config, "train", training=False, until="decode")
-    ds = ds.map(lambda e: (e["inputs"], e["label"])).cache().repeat().batch(BATCH)
+    ds = ds.map(lambda e: (e["inputs"], e["label"])).cache().repeat()
+    ds = ds.batch(BATCH, num_parallel_calls=AUTOTUNE, deterministic=False)
     if dtype == "float32":
-        ds = ds.map(lambda x, y: (tf.cast(x, tf.float32) * (1 / 255), y))
+        ds = ds.map(lambda x, y: (tf.cast(x, tf.float32) * (1 / 255), y),
+                    num_parallel_calls=AUTOTUNE, deterministic=False)
     return ds.prefetch(AUTOTUNE)
 
 
-class Timed:
-    """One pipeline's iterator; ``epoch()`` times one epoch of batches and keeps the best."""
-
-    def __init__(self, ds: tf.data.Dataset, batches: int, warm_epochs: int = 0):
-        self.iterator = iter(ds.repeat())
-        self.batches, self.best, self.epochs = batches, 0.0, []
-        for _ in range(warm_epochs * batches + 2):  # fill caches; start the threads
-            next(self.iterator)
-
-    def epoch(self) -> None:
+def time_epochs(ds: tf.data.Dataset, batches: int, epochs: int, warm_epochs: int) -> dict:
+    """Images/s of each of ``epochs`` epochs of ``batches`` batches, after ``warm_epochs``
+    untimed ones (which fill a cache) and a few batches (which start the threads)."""
+    iterator = iter(ds.repeat())
+    for _ in range(warm_epochs * batches + 4):
+        next(iterator)
+    rates = []
+    for _ in range(epochs):
         start = time.perf_counter()
-        for _ in range(self.batches):
-            next(self.iterator)
-        rate = self.batches * BATCH / (time.perf_counter() - start)
-        self.epochs.append(rate)
-        self.best = max(self.best, rate)
+        for _ in range(batches):
+            next(iterator)
+        rates.append(batches * BATCH / (time.perf_counter() - start))
+    return {"epochs_images_per_sec": rates, "peak_rss_mb": bench.peak_rss_mb()}
 
-    def figures(self) -> dict:
-        return {"images_per_sec": self.best, "epochs_images_per_sec": self.epochs,
-                "peak_rss_mb": bench.peak_rss_mb()}
+
+def pipeline(name: str, root: str, items) -> tuple[tf.data.Dataset, int]:
+    """The pipeline called ``name`` and how many untimed epochs it needs (to fill a cache)."""
+    at_rest, stored = (os.path.join(root, f"tfspeed-{n}") for n in ("jpeg_at_rest", "storage_224"))
+    cold = dict(batch_size=BATCH, training=True, cache="none")
+    warm = dict(batch_size=BATCH, training=True, cache="memory")
+    makers = {
+        "peer_files": lambda: (files_pipeline(items), 0),
+        "peer_tfrecord": lambda: (tfrecord_pipeline(write_plain_tfrecords(
+            items, os.path.join(root, "plain"))), 0),
+        "limit_decode_resize": lambda: (decode_limit(items), 0),
+        "tfspeed_cold_jpeg": lambda: (build(at_rest, "train", image_size=SIZE, **cold), 0),
+        "tfspeed_cold_storage": lambda: (build(stored, "train", **cold), 0),
+        "tfspeed_warm_float32": lambda: (build(stored, "train", **warm), 1),
+        "bare_memory_float32": lambda: (bare_memory_loop(stored, "float32"), 1),
+        "tfspeed_warm_uint8": lambda: (build(stored, "train", image_dtype="uint8", **warm), 1),
+        "bare_memory_uint8": lambda: (bare_memory_loop(stored, "uint8"), 1),
+    }
+    return makers[name]()
+
+
+PIPELINES = ("peer_files", "peer_tfrecord", "limit_decode_resize", "tfspeed_cold_jpeg",
+             "tfspeed_cold_storage", "tfspeed_warm_float32", "bare_memory_float32",
+             "tfspeed_warm_uint8", "bare_memory_uint8")
 
 
 def conversions(root: str, photos: str) -> dict:
-    """The default conversion and the 224-px storage one, the latter with 1 and all workers."""
+    """The converter's command line, as users run it: the default conversion (JPEG at rest)
+    and the 224-px storage one with --workers=1 and with the default workers."""
+    import subprocess
+
     figures = {}
-    for name, options in (("jpeg_at_rest", {}),
-                          ("storage_224_workers_1", {"image_size": SIZE, "workers": 1}),
-                          ("storage_224", {"image_size": SIZE, "image_format": "auto"})):
+    for name, extra in (("jpeg_at_rest", []),
+                        ("storage_224_workers_1", [f"--image_size={SIZE}", "--workers=1"]),
+                        ("storage_224", [f"--image_size={SIZE}", "--image_format=auto"])):
         out = os.path.join(root, f"tfspeed-{name}")
-        result = convert(f"imagefolder:{photos}", out, validation_fraction=0.0, overwrite=True,
-                         **{"workers": os.cpu_count() or 1, **options})
-        figures[name] = {**result.summary, "storage": result.schema.to_json().get("storage"),
-                         "data_dir": out}
+        command = [sys.executable, os.path.join(REPO, "scripts", "to_tfrecord.py"),
+                   f"--source=imagefolder:{photos}", f"--output={out}", "--overwrite",
+                   "--validation_fraction=0", "--noprogress", *extra]
+        proc = subprocess.run(command, capture_output=True, text=True, check=True)
+        line = proc.stdout.strip().splitlines()[-1]
+        with open(os.path.join(out, "schema.json")) as f:
+            schema = json.load(f)
+        figures[name] = {"records_per_sec": float(line.rsplit("(", 1)[1].split()[0]),
+                         "summary": line, "storage": schema.get("storage"), "data_dir": out}
     return figures
 
 
@@ -153,29 +186,21 @@ def main(argv):
     root = _WORKDIR.value
     photos = os.path.join(root, "photos")
     items = bench.make_photos(photos, _IMAGES.value, _CLASSES.value)
-    converted = conversions(root, photos)
-    at_rest = converted["jpeg_at_rest"]["data_dir"]
-    stored = converted["storage_224"]["data_dir"]
     batches = _IMAGES.value // BATCH
-    cold = dict(batch_size=BATCH, training=True, cache="none")
-    warm = dict(batch_size=BATCH, training=True, cache="memory")
-    pipelines = {
-        "peer_files": Timed(files_pipeline(items), batches),
-        "peer_tfrecord": Timed(tfrecord_pipeline(write_plain_tfrecords(
-            items, os.path.join(root, "plain"))), batches),
-        "limit_decode_resize": Timed(decode_limit(items), batches),
-        "tfspeed_cold_jpeg": Timed(build(at_rest, "train", image_size=SIZE, **cold), batches),
-        "tfspeed_cold_storage": Timed(build(stored, "train", **cold), batches),
-        "tfspeed_warm_float32": Timed(build(stored, "train", **warm), batches, warm_epochs=1),
-        "bare_memory_float32": Timed(bare_memory_loop(stored, "float32"), batches, 1),
-        "tfspeed_warm_uint8": Timed(build(stored, "train", image_dtype="uint8", **warm), batches,
-                                    warm_epochs=1),
-        "bare_memory_uint8": Timed(bare_memory_loop(stored, "uint8"), batches, 1),
-    }
-    for _ in range(_ROUNDS.value):
-        for timed in pipelines.values():
-            timed.epoch()
-    figures = {name: timed.figures() for name, timed in pipelines.items()}
+    if _PIPELINE.value:  # one pipeline, in a process of its own
+        ds, warm_epochs = pipeline(_PIPELINE.value, root, items)
+        print("RESULT " + json.dumps(time_epochs(ds, batches, _EPOCHS.value, warm_epochs)))
+        return
+    converted = conversions(root, photos)
+    figures = {name: {"epochs_images_per_sec": [], "peak_rss_mb": 0.0} for name in PIPELINES}
+    for _ in range(_ROUNDS.value):  # rounds of all pipelines: the machine's noise spreads
+        for name in PIPELINES:
+            result = _in_process_of_its_own(name)
+            figures[name]["epochs_images_per_sec"] += result["epochs_images_per_sec"]
+            figures[name]["peak_rss_mb"] = max(figures[name]["peak_rss_mb"],
+                                               result["peak_rss_mb"])
+    for f in figures.values():
+        f["images_per_sec"] = max(f["epochs_images_per_sec"])
     ips = {name: f["images_per_sec"] for name, f in figures.items()}
     best_peer = max(ips["peer_files"], ips["peer_tfrecord"])
     storage = converted["storage_224"]
@@ -191,9 +216,24 @@ def main(argv):
             storage["records_per_sec"] / converted["storage_224_workers_1"]["records_per_sec"]),
     }
     config = {"images": _IMAGES.value, "image_size": SIZE, "batch_size": BATCH,
-              "rounds": _ROUNDS.value, "photos": "crops of scikit-learn/scikit-image samples, "
-              "256-512 px, JPEG q90", "conversions": converted}
+              "rounds": _ROUNDS.value, "epochs_per_round": _EPOCHS.value,
+              "photos": "crops of scikit-learn/scikit-image samples, 256-512 px, JPEG q90",
+              "conversions": converted}
     print(json.dumps(bench.record("input_pipeline", config, figures, ratios), indent=2))
+
+
+def _in_process_of_its_own(name: str) -> dict:
+    """Runs one pipeline in a fresh process: no other pipeline's threads or buffers."""
+    import subprocess
+
+    proc = subprocess.run([sys.executable, __file__, f"--pipeline={name}",
+                           f"--workdir={_WORKDIR.value}", f"--images={_IMAGES.value}",
+                           f"--classes={_CLASSES.value}", f"--epochs={_EPOCHS.value}"],
+                          capture_output=True, text=True, check=False)
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    if proc.returncode or not lines:
+        raise SystemExit(f"{name} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(lines[-1][len("RESULT "):])
 
 
 if __name__ == "__main__":

