@@ -25,19 +25,22 @@ class ThroughputMeter:
         self.global_batch_size = global_batch_size
         self.windows: list[tuple[int, float, float]] = []  # (steps, seconds, input wait s)
         self.writer = tf.summary.create_file_writer(log_dir) if log_dir else None
+        self._writes: dict = {}  # sorted scalar names -> the compiled write
         self._start = time.perf_counter()
 
     def restart(self) -> None:
         """Starts a new window now (e.g. after a pause for evaluation or tuning)."""
         self._start = time.perf_counter()
 
-    def tick(self, steps: int, step: int, input_wait_s: float = 0.0) -> dict[str, float]:
+    def tick(self, steps: int, step: int, input_wait_s: float = 0.0,
+             also: dict[str, float] | None = None) -> dict[str, float]:
         """Closes a window of ``steps`` steps ending now.
 
         Args:
           steps: steps in the window.
           step: the global step at its end (the TensorBoard x axis).
           input_wait_s: seconds of the window the step spent waiting for its next batch.
+          also: more scalars to log at this step (losses, metrics), in the same write.
         """
         now = time.perf_counter()
         seconds, self._start = now - self._start, now
@@ -45,14 +48,31 @@ class ThroughputMeter:
         figures = {"examples_per_sec": steps * self.global_batch_size / seconds,
                    "step_time_ms": 1000 * seconds / steps,
                    "input_wait_pct": 100 * min(input_wait_s / seconds, 1.0)}
-        self.scalars(figures, step)
+        self.scalars({**figures, **(also or {})}, step)
         return figures
 
     def scalars(self, values: dict[str, float], step: int) -> None:
-        if self.writer:
-            with self.writer.as_default(step=step):
-                for name, value in values.items():
-                    tf.summary.scalar(name, value)
+        """Writes ``values`` for TensorBoard in one compiled call.
+
+        One ``tf.summary.scalar`` per value from Python cost ~0.5 ms each: 4 ms per log point,
+        6% of a tiny model's window of 100 steps. A function per set of names writes them all
+        in one call.
+        """
+        if not self.writer:
+            return
+        names = tuple(sorted(values))
+        write = self._writes.get(names)
+        if write is None:
+            writer = self.writer
+
+            @tf.function
+            def write(vector, at):
+                with writer.as_default(step=at):
+                    for i, name in enumerate(names):
+                        tf.summary.scalar(name, vector[i])
+
+            self._writes[names] = write
+        write(tf.constant([float(values[name]) for name in names]), tf.constant(step, tf.int64))
 
     def summary(self) -> dict[str, float]:
         """Median step time and examples/s over the windows (the first skipped if possible)."""

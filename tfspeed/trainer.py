@@ -359,7 +359,7 @@ class _Loop:
             if self.profile:
                 self.profile.after(done)
             if done - logged >= self.config.log_every or done == self.total_micro:
-                checkpoints.check_finite()
+                checkpoints.check_finite(weights=False)
                 self._log(out, done, done - logged, float(waited))
                 logged, waited = done, 0.0
             checkpoints.maybe_save(done // self.k)
@@ -372,13 +372,12 @@ class _Loop:
 
     def _log(self, out, done: int, steps: int, waited: float) -> None:
         values = {name: float(v.numpy()) for name, v in out.items()}  # the one sync per log
-        figures = self.meter.tick(steps, done, waited)
         updates = int(values["updates"])
         lr = self.engine.optimizer.learning_rate
         metrics = {name: values[name] for name in ("loss", *self.engine.metric_names)}
-        self.meter.scalars({**metrics,
-                            "learning_rate": float(lr.numpy() if hasattr(lr, "numpy") else lr),
-                            "loss_scale": values["loss_scale"]}, done)
+        figures = self.meter.tick(steps, done, waited, also={
+            **metrics, "learning_rate": float(lr.numpy() if hasattr(lr, "numpy") else lr),
+            "loss_scale": values["loss_scale"]})
         self.last_metrics = metrics
         self.history.append({"update": updates, "micro_step": done, **metrics,
                              "examples_per_sec": figures["examples_per_sec"]})
