@@ -215,3 +215,76 @@ def test_python_api_regression_with_a_built_model_and_function_metric(tmp_path):
         tfspeed.fit(model, train)
     with pytest.raises(UsageError, match="strategy='mirrored' needs the model built in its"):
         tfspeed.fit(model, train, steps=1, strategy="mirrored")
+
+
+@pytest.fixture(scope="module")
+def tables(tmp_path_factory):
+    """Real tables: scikit-learn's diabetes (regression) and iris (named inputs), as CSV."""
+    from sklearn.datasets import load_diabetes, load_iris
+
+    from tfspeed.convert import convert
+
+    root = tmp_path_factory.mktemp("tables")
+    dirs = {}
+    for name, data, options in (
+        ("diabetes", load_diabetes(), {"task": "regression"}),
+        ("iris", load_iris(), {"named_columns": True}),
+    ):
+        columns = [c.replace(" (cm)", "").replace(" ", "_") for c in data.feature_names]
+        table = np.column_stack([data.data, data.target])
+        path = root / f"{name}.csv"
+        np.savetxt(path, table, delimiter=",", header=",".join([*columns, "target"]),
+                   comments="", fmt="%.6g")
+        dirs[name] = str(root / name)
+        convert(f"csv:{path}", dirs[name], label_column="target", shards=4, **options)
+    return dirs
+
+
+@flagsaver.flagsaver
+@pytest.mark.parametrize("where", [
+    ("--strategy=default",),
+    ("--strategy=mirrored", "--cpu_replicas=2", "--grad_accum_steps=2",
+     "--steps_per_execution=3"),
+], ids=["default", "mirrored-accum2-spe3"])
+def test_regression_with_mse_on_a_csv(tables, tmp_path, where):
+    schema = tfspeed.data.read_schema(tables["diabetes"])
+    assert schema.task == "regression" and schema.num_outputs == 1
+    report = _run(tables["diabetes"], tmp_path, "--model=mlp", "--width=32", "--train_steps=300",
+                  "--learning_rate=0.05", "--batch_size=32", *where)
+    assert report["objectives"] == {"task": "regression", "loss": "mse", "metrics": ["mae"],
+                                    "outputs": "logits", "output_dtype": "float32"}
+    targets = np.concatenate([y for _, y in tfspeed.data.build(tables["diabetes"],
+                                                              "validation", 64)])
+    # Far better than always predicting the mean target (the variance of the targets).
+    assert report["eval_loss"] < 0.7 * float(np.var(targets))
+    assert report["eval_metrics"]["mae"] < float(np.mean(np.abs(targets - targets.mean())))
+
+
+@flagsaver.flagsaver
+@pytest.mark.parametrize("where", [
+    ("--strategy=default",),
+    ("--strategy=mirrored", "--cpu_replicas=2", "--grad_accum_steps=2",
+     "--steps_per_execution=3"),
+], ids=["default", "mirrored-accum2-spe3"])
+def test_several_named_inputs_from_a_csv(tables, user_dir, tmp_path, where):
+    schema = tfspeed.data.read_schema(tables["iris"])
+    assert schema.input_names == ("sepal_length", "sepal_width", "petal_length", "petal_width")
+    x, _ = next(iter(tfspeed.data.build(tables["iris"], "train", 8)))
+    assert sorted(x) == sorted(schema.input_names) and x["petal_width"].shape == (8, 1)
+    report = _run(tables["iris"], tmp_path, "--model=usermodels:named", "--train_steps=60",
+                  "--learning_rate=0.05", *where)
+    assert report["eval_accuracy"] > 0.8  # iris is easy
+    import usermodels  # noqa: F401
+
+    reloaded = keras.saving.load_model(tmp_path / "model.keras")
+    assert reloaded(x).shape == (8, 3)
+
+
+def test_task_and_named_columns_need_a_table(tmp_path):
+    from tfspeed.convert import convert
+
+    with pytest.raises(UsageError, match="--task=regression needs numeric targets: a csv: or "
+                                         "npz: source, not --source=digits"):
+        convert("digits", str(tmp_path / "d"), task="regression")
+    with pytest.raises(UsageError, match="--named_columns makes each CSV column a named input"):
+        convert("digits", str(tmp_path / "d"), named_columns=True)

@@ -97,6 +97,13 @@ _RAW_BUDGET_MB = flags.DEFINE_float(
     "(default: a quarter of this machine's RAM, so it stays in the page cache).",
     flag_values=_FLAGS,
 )
+_TASK = flags.DEFINE_enum(
+    "task", "classification", ["classification", "regression"],
+    "csv/npz: the labels are classes, or numbers to predict (regression; stored as float).",
+    flag_values=_FLAGS)
+_NAMED_COLUMNS = flags.DEFINE_bool(
+    "named_columns", False, "csv: each feature column is a named model input of shape (1,), "
+    "instead of one vector 'features'.", flag_values=_FLAGS)
 _LABEL_COLUMN = flags.DEFINE_string(
     "label_column", "label", "CSV column holding the labels.", flag_values=_FLAGS
 )
@@ -143,6 +150,8 @@ def _main(argv: list[str]) -> int:
         image_format=_IMAGE_FORMAT.value,
         raw_budget_mb=_RAW_BUDGET_MB.value,
         label_column=_LABEL_COLUMN.value,
+        task=_TASK.value,
+        named_columns=_NAMED_COLUMNS.value,
         tfds_data_dir=_TFDS_DATA_DIR.value,
         overwrite=_OVERWRITE.value,
         progress=_PROGRESS.value,

@@ -66,6 +66,8 @@ def convert(
     raw_budget_mb: float | None = None,
     label_column: str = "label",
     tfds_data_dir: str | None = None,
+    task: str = "classification",
+    named_columns: bool = False,
     overwrite: bool = False,
     progress: bool = False,
 ) -> ConvertResult:
@@ -111,9 +113,12 @@ def convert(
         validation_fraction,
         seed,
         tfds_data_dir,
+        task,
+        named_columns,
     )
     budget = storage_lib.default_raw_budget_mb() if raw_budget_mb is None else raw_budget_mb
     _check_options(shards, target_shard_mb, workers, budget, options)
+    _check_tables(source, options)
     shard_runner = runners.make_runner(runner, workers=workers, beam_options=beam_options)
     # Worker processes start now: their start-up overlaps with listing and measuring.
     with shard_runner.started(shards or writer.MIN_SHARDS):
@@ -357,10 +362,23 @@ def _check_options(
          f"{', '.join(formats)}"),
         (not budget_mb >= 0, f"--raw_budget_mb={budget_mb}: must be >= 0 (0 = never raw for auto)"),
         (not o.label_column, "--label_column is empty: name the CSV column holding the labels"),
+        (o.task not in ("classification", "regression"), f"--task={o.task}: use "
+         "classification or regression"),
     ]  # fmt: skip
     for bad, message in problems:
         if bad:
             raise UsageError(message)
+
+
+def _check_tables(source: str, o: sources.SourceOptions) -> None:
+    """Regression and named columns are for tables (csv; npz for regression)."""
+    kind = source.partition(":")[0]
+    if o.task == "regression" and kind not in ("csv", "npz"):
+        raise UsageError(f"--task=regression needs numeric targets: a csv: or npz: source, "
+                         f"not --source={source}")
+    if o.named_columns and kind != "csv":
+        raise UsageError(f"--named_columns makes each CSV column a named input: it needs a "
+                         f"csv: source, not --source={source}")
 
 
 def _check_images(source: str, src: sources.Source, o: sources.SourceOptions) -> None:

@@ -88,7 +88,8 @@ class InGraphInput:
     """The training split as tensors; ``replica_batch(step)`` inside the compiled step.
 
     Args:
-      inputs: the decoded inputs, one row per record (uint8 images or float features).
+      inputs: the decoded inputs, one row per record (uint8 images or float features), or
+        a dict of them (several named inputs).
       labels: int32 labels.
       global_batch_size: examples per micro-step over all replicas.
       seed: the data seed (permutations and augmentation keys).
@@ -105,7 +106,8 @@ class InGraphInput:
         # Plain variables outside any strategy scope: one copy, read by every replica (a
         # gather runs where its variable lives; only the batch is copied).
         with tf.device(device) if device else _nothing():
-            self.inputs = tf.Variable(inputs, trainable=False, name="ingraph_inputs")
+            self.inputs = tf.nest.map_structure(
+                lambda array: tf.Variable(array, trainable=False, name="ingraph_inputs"), inputs)
             self.labels = tf.Variable(labels, trainable=False, name="ingraph_labels")
 
     def replica_batch(self, step: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
@@ -117,7 +119,7 @@ class InGraphInput:
                  + tf.cast(context.replica_id_in_sync_group, tf.int64) * per_replica)
         positions = first + tf.range(per_replica, dtype=tf.int64)  # in the endless stream
         rows = self.rows(positions)
-        x = tf.gather(self.inputs, rows)
+        x = tf.nest.map_structure(lambda inputs: tf.gather(inputs, rows), self.inputs)
         y = tf.gather(self.labels, rows)
         if self.augment is not None:
             x = self._augmented(x, y, positions)
@@ -181,7 +183,9 @@ def load(config: DataConfig, schema, split: str, training: bool = True, *,
     for group in ds.batch(1024).as_numpy_iterator():
         inputs.append(group["inputs"])
         labels.append(group["label"])
-    return InGraphInput(np.concatenate(inputs), np.concatenate(labels),
+    inputs = (np.concatenate(inputs) if not isinstance(inputs[0], dict) else
+              {name: np.concatenate([group[name] for group in inputs]) for name in inputs[0]})
+    return InGraphInput(inputs, np.concatenate(labels),
                         global_batch_size=global_batch_size, seed=config.seed,
                         shuffle=training and config.shuffle,
                         augment=steps.augment if training else None, device=device)

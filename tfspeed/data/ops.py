@@ -39,21 +39,25 @@ def make_group_parser(schema, standardize: bool = True):
     inputs come out decoded (``raw`` bytes -> uint8 arrays) and, with ``standardize``, float
     features standardised with the train split's statistics, all vectorised. Encoded images
     stay encoded (bytes): they are decoded per record later. ``parse_one`` does the same for
-    one record (the fallback that drops a bad payload alone). Labels become int32.
+    one record (the fallback that drops a bad payload alone). Several named inputs come as a
+    dict ``{name: value}``. Class labels become int32, regression targets float32.
     """
     spec = schema.parse_spec()
-    feature = schema.input_feature
-    finish = _make_finish(feature, schema.stats.get(schema.inputs) if standardize else None)
+    finish = {name: _make_finish(schema.features[name],
+                                 schema.stats.get(name) if standardize else None)
+              for name in schema.input_names}
+    label_dtype = tf.float32 if schema.task == "regression" else tf.int32
+
+    def select(parsed):
+        inputs = {name: fn(parsed[name]) for name, fn in finish.items()}
+        return {"inputs": inputs if schema.named_inputs else inputs[schema.input_names[0]],
+                "label": tf.cast(parsed[schema.label], label_dtype)}
 
     def parse_group(records):
-        parsed = tf.io.parse_example(records, spec)
-        return {"inputs": finish(parsed[schema.inputs]),
-                "label": tf.cast(parsed[schema.label], tf.int32)}
+        return select(tf.io.parse_example(records, spec))
 
     def parse_one(record):
-        parsed = tf.io.parse_single_example(record, spec)
-        return {"inputs": finish(parsed[schema.inputs]),
-                "label": tf.cast(parsed[schema.label], tf.int32)}
+        return select(tf.io.parse_single_example(record, spec))
 
     return parse_group, parse_one
 
@@ -63,9 +67,10 @@ def _make_finish(feature: Feature, stats: dict | None):
     if feature.encoding == "raw":
         return make_decode(feature, key=None)
     if feature.encoding == "float" and stats:
-        mean = tf.constant(stats["mean"], tf.float32)
-        std = tf.constant(stats["std"], tf.float32)
-        return lambda x: (x - tf.reshape(mean, feature.shape)) / tf.reshape(std, feature.shape)
+        shape = list(feature.shape) or [1]
+        mean = tf.reshape(tf.constant(stats["mean"], tf.float32), shape)
+        std = tf.reshape(tf.constant(stats["std"], tf.float32), shape)
+        return lambda x: (x - mean) / std
     if feature.encoding in ("float", "int"):
         return lambda x: tf.cast(x, tf.float32)  # what a model takes
     return lambda x: x  # jpeg / png: decoded per record

@@ -134,8 +134,9 @@ def _records(config, schema, split, num_pipelines, pipeline_id, shuffle, determi
         # File order first: cheap, and it decorrelates records the converter put in one shard.
         ds = ds.shuffle(len(files), seed=config.seed, reshuffle_each_iteration=True)
     parse_group, parse_one = ops.make_group_parser(schema) if parse else (None, None)
-    check = ops.make_label_check(schema.num_classes, _label_message(schema, config))
-    reader = shard_reader(config, parse_group, parse_one, check=check if parse else None,
+    check = (ops.make_label_check(schema.num_classes, _label_message(schema, config))
+             if parse and schema.task == "classification" else None)
+    reader = shard_reader(config, parse_group, parse_one, check=check,
                           remote=remote, per_record=config.parse == "single")
     # Parallel interleave: reads several shards at once, hiding per-file latency.
     ds = ds.interleave(reader, cycle_length=min(len(files), 16), num_parallel_calls=AUTOTUNE,
@@ -307,8 +308,11 @@ def _count_epoch(groups, split, expected, config):
     return groups.scan(tf.constant(0, tf.int64), count)
 
 
-def input_shape(schema: schema_lib.Schema, config: DataConfig) -> tuple[int, ...]:
-    """The shape of one model input (no batch dimension) that the pipeline produces."""
+def input_shape(schema: schema_lib.Schema, config: DataConfig):
+    """The shape of one model input (no batch dimension) that the pipeline produces; a dict
+    name -> shape for several named inputs."""
+    if schema.named_inputs:
+        return {name: tuple(schema.features[name].shape) for name in schema.input_names}
     feature = schema.input_feature
     if is_image(feature) and config.image_size:
         return (config.image_size, config.image_size, feature.shape[-1])

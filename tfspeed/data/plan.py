@@ -153,6 +153,8 @@ def _to_uint8(element):
 def record_bytes(config: DataConfig, schema, split: str, encoded: bool = False) -> float:
     """Bytes one record takes once decoded at the target size and dtype (or, ``encoded``,
     as stored), from ``schema.json`` alone."""
+    if schema.named_inputs:
+        return sum(math.prod(schema.features[n].shape) * 4 for n in schema.input_names)
     feature = schema.input_feature
     if encoded or (feature.is_image and None in feature.shape[:2] and not config.image_size):
         shards = schema.split(split).shards

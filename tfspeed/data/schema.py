@@ -135,7 +135,8 @@ class Schema:
 
     Attributes:
       features: the record's features, by name.
-      inputs: name of the feature the model takes as input.
+      inputs: name of the feature the model takes as input, or the names of several named
+        inputs (a CSV converted with ``--named_columns``).
       label: name of the integer class label feature.
       class_names: class names; label ``i`` is ``class_names[i]``.
       splits: the splits, by name.
@@ -151,7 +152,7 @@ class Schema:
     """
 
     features: Mapping[str, Feature]
-    inputs: str
+    inputs: str | tuple[str, ...]
     label: str
     class_names: tuple[str, ...]
     splits: Mapping[str, Split]
@@ -181,7 +182,17 @@ class Schema:
 
     @property
     def input_feature(self) -> Feature:
-        return self.features[self.inputs]
+        return self.features[self.input_names[0]]
+
+    @property
+    def input_names(self) -> tuple[str, ...]:
+        """The model inputs' feature names (one, or several named ones)."""
+        return (self.inputs,) if isinstance(self.inputs, str) else tuple(self.inputs)
+
+    @property
+    def named_inputs(self) -> bool:
+        """The model takes a dict of several named inputs."""
+        return not isinstance(self.inputs, str)
 
     def split(self, name: str) -> Split:
         """The split called ``name``, or a UsageError listing the ones there are."""
@@ -202,7 +213,7 @@ class Schema:
         return {
             "format_version": self.format_version,
             "features": {n: f.to_json() for n, f in self.features.items()},
-            "inputs": self.inputs,
+            "inputs": self.inputs if isinstance(self.inputs, str) else list(self.inputs),
             "label": self.label,
             "class_names": list(self.class_names),
             "num_classes": self.num_classes,
@@ -218,7 +229,7 @@ class Schema:
     def from_json(cls, d: Mapping) -> Schema:
         return cls(
             features={n: Feature.from_json(n, f) for n, f in d["features"].items()},
-            inputs=d["inputs"],
+            inputs=d["inputs"] if isinstance(d["inputs"], str) else tuple(d["inputs"]),
             label=d["label"],
             class_names=tuple(d["class_names"]),
             splits={n: Split.from_json(n, s) for n, s in d["splits"].items()},

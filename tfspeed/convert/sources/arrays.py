@@ -44,6 +44,8 @@ def array_source(
     identity: str,
     options: dict,
     opts: SourceOptions,
+    label: Feature = LABEL,
+    inputs: tuple[str, ...] | None = None,
 ) -> Source:
     """A source over in-memory arrays split into train/validation by ``opts``.
 
@@ -56,6 +58,8 @@ def array_source(
       identity: the content identity of what the arrays were loaded from.
       options: the kind's own record-shaping options (the split options are added).
       opts: the converter options.
+      label: the label feature (class ids, or regression targets).
+      inputs: the names of several named model inputs (default: the first feature alone).
 
     Returns:
       The `Source`; float features carry train-split mean/std in ``stats``.
@@ -77,8 +81,8 @@ def array_source(
         return ArrayChunk(chosen, storage if has_image else None)
 
     return Source(
-        features=(*features, LABEL),
-        inputs=IMAGE if has_image else features[0].name,
+        features=(*features, label),
+        inputs=IMAGE if has_image else (inputs or features[0].name),
         class_names=tuple(class_names),
         splits={s: len(idx) for s, idx in index.items()},
         split_bytes={s: len(idx) * per_record for s, idx in index.items()},

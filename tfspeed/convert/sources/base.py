@@ -13,7 +13,12 @@ import numpy as np
 
 from tfspeed.data.schema import Feature
 
-LABEL = Feature("label", "int64", (), "int")  # every source's label feature
+LABEL = Feature("label", "int64", (), "int")  # every classification source's label feature
+
+
+def target(shape: tuple[int, ...] = ()) -> Feature:
+    """The label feature of a regression source: float targets of ``shape`` per record."""
+    return Feature("label", "float32", tuple(shape), "float")
 IMAGE = "image"  # the image feature of every image source
 _SPLIT_ORDER = ("train", "validation", "test")
 
@@ -29,6 +34,8 @@ class SourceOptions:
     validation_fraction: float = 0.1
     seed: int = 0
     tfds_data_dir: str | None = None
+    task: str = "classification"
+    named_columns: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,7 +91,7 @@ class Source:
     """
 
     features: tuple[Feature, ...]
-    inputs: str
+    inputs: str | tuple[str, ...]
     class_names: tuple[str, ...]
     splits: dict[str, int]
     split_bytes: dict[str, int]

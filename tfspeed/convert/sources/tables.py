@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from tfspeed.convert.sources.arrays import array_source
-from tfspeed.convert.sources.base import Source, SourceOptions, file_identity
+from tfspeed.convert.sources.base import LABEL, Source, SourceOptions, file_identity, target
 from tfspeed.data.schema import Feature
 from tfspeed.errors import UsageError
 
@@ -17,19 +17,55 @@ from tfspeed.errors import UsageError
 
 
 def open_csv(path: str, opts: SourceOptions) -> Source:
-    """Reads a CSV file: every column but ``opts.label_column`` is a float feature."""
+    """Reads a CSV file: every column but ``opts.label_column`` is a float feature.
+
+    The features are one vector input ``features``, or with ``opts.named_columns`` one named
+    input per column (shape ``(1,)``, standardised each). The label column holds classes
+    (any values, mapped to ids) or, for ``opts.task="regression"``, numbers.
+    """
     rows = _read_csv(path)
     header = _csv_header(path, rows, opts.label_column)
     x, labels = _csv_table(path, header, rows[1:], opts.label_column)
-    y, class_names = _encode_labels(labels)
+    columns = [c for c in header if c != opts.label_column]
+    if opts.task == "regression":
+        y, class_names, label = _targets(path, labels, opts.label_column), (), target()
+    else:
+        (y, class_names), label = _encode_labels(labels), LABEL
+    if opts.named_columns:
+        _check_names(path, columns)
+        arrays = {name: x[:, i:i + 1] for i, name in enumerate(columns)}
+        features = tuple(Feature(name, "float32", (1,), "float") for name in columns)
+        inputs = tuple(columns)
+    else:
+        arrays = {"features": x}
+        features, inputs = (Feature("features", "float32", (x.shape[1],), "float"),), None
     return array_source(
-        {"features": x, "label": y},
-        features=(Feature("features", "float32", (x.shape[1],), "float"),),
+        {**arrays, "label": y},
+        features=features,
         class_names=class_names,
         identity=file_identity(path),
-        options={"label_column": opts.label_column},
+        options={"label_column": opts.label_column, "task": opts.task,
+                 "named_columns": opts.named_columns},
         opts=opts,
+        label=label,
+        inputs=inputs,
     )
+
+
+def _targets(path: str, values: Sequence[str], column: str) -> np.ndarray:
+    """Regression targets: the label column as float32."""
+    return np.asarray([_number(v, column, f"row {i}", path, what="the label column of a "
+                               "regression") for i, v in enumerate(values, start=1)], np.float32)
+
+
+def _check_names(path: str, columns: Sequence[str]) -> None:
+    """Named inputs become Keras input names: letters, digits and _ . - only."""
+    import re
+
+    for name in columns:
+        if name == "label" or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_.-]*", name):
+            raise UsageError(f"CSV {path}: column {name!r} cannot name a model input; rename "
+                             "it (letters, digits, _ . -, not 'label') or drop --named_columns")
 
 
 def _read_csv(path: str) -> list[tuple[int, list[str]]]:
@@ -85,7 +121,8 @@ def _csv_table(
     return np.asarray(features, np.float32), labels
 
 
-def _number(cell: str, column: str, where: str, path: str) -> float:
+def _number(cell: str, column: str, where: str, path: str,
+            what: str = "every column except the label column") -> float:
     try:
         value = float(cell)
     except ValueError:
@@ -93,7 +130,7 @@ def _number(cell: str, column: str, where: str, path: str) -> float:
     if not np.isfinite(value):
         raise UsageError(
             f"CSV {path}: column {column!r}, {where} holds {cell!r}, not a finite "
-            "number; every column except the label column must be numeric"
+            f"number; {what} must be numeric"
         )
     return value
 
@@ -115,19 +152,35 @@ def _encode_labels(values: Sequence[str]) -> tuple[np.ndarray, tuple[str, ...]]:
 
 
 def open_npz(path: str, opts: SourceOptions) -> Source:
-    """Reads ``x`` (inputs), ``y`` (class ids) and optional ``class_names`` from a .npz file."""
+    """Reads ``x`` (inputs), ``y`` (class ids, or regression targets with
+    ``opts.task="regression"``) and optional ``class_names`` from a .npz file."""
     arrays = _load_npz(path)
-    y = _npz_labels(path, arrays["x"], arrays["y"])
-    names = _npz_class_names(path, arrays, int(y.max()) + 1)
     feature, x = _npz_feature(path, arrays["x"])
+    if opts.task == "regression":
+        y = _npz_targets(path, arrays["x"], arrays["y"])
+        names, label = (), target(y.shape[1:])
+    else:
+        y = _npz_labels(path, arrays["x"], arrays["y"])
+        names, label = _npz_class_names(path, arrays, int(y.max()) + 1), LABEL
     return array_source(
         {"x": x, "label": y},
         features=(feature,),
         class_names=names,
         identity=file_identity(path),
-        options={},
+        options={"task": opts.task},
         opts=opts,
+        label=label,
     )
+
+
+def _npz_targets(path: str, x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """``y`` as float32 regression targets, one row per example of ``x``."""
+    if x.ndim < 1 or len(x) != len(y) or not len(y) or y.ndim > 2:
+        raise UsageError(f"{path}: x has shape {x.shape} and y {y.shape}; they need the same, "
+                         "non-zero number of examples (y one target or a vector per example)")
+    if not np.issubdtype(y.dtype, np.number) or not np.isfinite(y).all():
+        raise UsageError(f"{path}: y must hold finite numbers for --task=regression")
+    return y.astype(np.float32)
 
 
 def _load_npz(path: str) -> dict[str, np.ndarray]:
