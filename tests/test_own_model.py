@@ -288,3 +288,24 @@ def test_task_and_named_columns_need_a_table(tmp_path):
         convert("digits", str(tmp_path / "d"), task="regression")
     with pytest.raises(UsageError, match="--named_columns makes each CSV column a named input"):
         convert("digits", str(tmp_path / "d"), named_columns=True)
+
+
+@flagsaver.flagsaver
+def test_regression_with_several_targets_from_an_npz(tmp_path):
+    """scikit-learn's linnerud: 3 exercise inputs, 3 physiological targets per person."""
+    from sklearn.datasets import load_linnerud
+
+    from tfspeed.convert import convert
+
+    data = load_linnerud()
+    np.savez(tmp_path / "linnerud.npz", x=data.data.astype(np.float32), y=data.target)
+    convert(f"npz:{tmp_path / 'linnerud.npz'}", str(tmp_path / "data"), task="regression",
+            validation_fraction=0.2, shards=2)
+    schema = tfspeed.data.read_schema(str(tmp_path / "data"))
+    assert (schema.task, schema.num_outputs) == ("regression", 3)
+    _, y = next(iter(tfspeed.data.build(str(tmp_path / "data"), "train", 4)))
+    assert y.dtype == tf.float32 and y.shape == (4, 3)
+    report = _run(tmp_path / "data", tmp_path / "run", "--model=mlp", "--width=8",
+                  "--batch_size=4")
+    assert report["objectives"]["loss"] == "mse" and report["eval_metrics"]["mae"] > 0
+    assert keras.saving.load_model(tmp_path / "run" / "model.keras").output_shape == (None, 3)

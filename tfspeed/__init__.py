@@ -31,3 +31,12 @@ def fit(*args, **kwargs):
     from tfspeed.api import fit as _fit
 
     return _fit(*args, **kwargs)
+
+
+def split_cpu(replicas: int) -> None:
+    """Splits the CPU into ``replicas`` logical devices, so that ``strategy="mirrored"`` runs
+    on a CPU machine (what ``--cpu_replicas`` does); call it before making any dataset, tensor
+    or model. See ``tfspeed.runtime.split_cpu``."""
+    from tfspeed.runtime import split_cpu as _split
+
+    _split(replicas)

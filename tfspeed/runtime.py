@@ -284,12 +284,17 @@ def setup(config: RuntimeConfig, hw: Hardware | None = None) -> Runtime:
             _configure(lambda g=gpu: tf.config.experimental.set_memory_growth(g, True),
                        "GPU memory growth")
     if plan.cpu_replicas > 1:
-        _split_cpu(plan.cpu_replicas)
+        split_cpu(plan.cpu_replicas)
     keras.mixed_precision.set_global_policy(plan.precision)
     return Runtime(strategy=_make_strategy(plan), plan=plan)
 
 
-def _split_cpu(replicas: int) -> None:
+def split_cpu(replicas: int) -> None:
+    """Splits the CPU into ``replicas`` logical devices, for MirroredStrategy on a CPU machine.
+
+    Must run before TensorFlow initialises its devices (before any dataset, tensor or model
+    is made); afterwards it logs a warning and changes nothing.
+    """
     import tensorflow as tf
 
     cpu = tf.config.list_physical_devices("CPU")[0]
@@ -322,8 +327,10 @@ def _make_strategy(plan: Plan):
         return mirrored_strategy()
     cpus = [d.name for d in tf.config.list_logical_devices("CPU")]
     if plan.cpu_replicas and len(cpus) < plan.cpu_replicas:
-        raise UsageError(f"--cpu_replicas={plan.cpu_replicas} could not be applied (TensorFlow "
-                         "was already initialised): set it before anything runs")
+        raise UsageError(f"cpu_replicas={plan.cpu_replicas} could not be applied: TensorFlow "
+                         "had already initialised its devices; from Python, call "
+                         f"tfspeed.split_cpu({plan.cpu_replicas}) before making any dataset, "
+                         "tensor or model")
     if plan.cpu_replicas:
         cpus = cpus[: plan.cpu_replicas]
     elif len(cpus) > 1:
