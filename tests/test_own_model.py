@@ -87,6 +87,15 @@ def user_dir(tmp_path_factory):
     sys.path.remove(str(folder))
 
 
+# Each model kind runs under the default strategy and under mirrored with accumulation and
+# several steps per call.
+EVERY_STRATEGY = pytest.mark.parametrize("where", [
+    ("--strategy=default",),
+    ("--strategy=mirrored", "--cpu_replicas=2", "--grad_accum_steps=2",
+     "--steps_per_execution=3"),
+], ids=["default", "mirrored-accum2-spe3"])
+
+
 def _run(data_dir, model_dir, *extra):
     tfspeed_flags.parse(["tfspeed.train", f"--data_dir={data_dir}", f"--model_dir={model_dir}",
                          "--batch_size=16", "--train_steps=6", "--precision=float32",
@@ -96,11 +105,7 @@ def _run(data_dir, model_dir, *extra):
 
 @flagsaver.flagsaver
 @pytest.mark.parametrize("model", ["usermodels:functional", "usermodels:subclassed"])
-@pytest.mark.parametrize("where", [
-    ("--strategy=default",),
-    ("--strategy=mirrored", "--cpu_replicas=2", "--grad_accum_steps=2",
-     "--steps_per_execution=3"),
-], ids=["default", "mirrored-accum2-spe3"])
+@EVERY_STRATEGY
 def test_own_models_train_and_reload(digits_dir, user_dir, tmp_path, model, where):
     report = _run(digits_dir, tmp_path, f"--model={model}", *where)
     k = 2 if "--grad_accum_steps=2" in where else 1
@@ -241,11 +246,7 @@ def tables(tmp_path_factory):
 
 
 @flagsaver.flagsaver
-@pytest.mark.parametrize("where", [
-    ("--strategy=default",),
-    ("--strategy=mirrored", "--cpu_replicas=2", "--grad_accum_steps=2",
-     "--steps_per_execution=3"),
-], ids=["default", "mirrored-accum2-spe3"])
+@EVERY_STRATEGY
 def test_regression_with_mse_on_a_csv(tables, tmp_path, where):
     schema = tfspeed.data.read_schema(tables["diabetes"])
     assert schema.task == "regression" and schema.num_outputs == 1
@@ -261,11 +262,7 @@ def test_regression_with_mse_on_a_csv(tables, tmp_path, where):
 
 
 @flagsaver.flagsaver
-@pytest.mark.parametrize("where", [
-    ("--strategy=default",),
-    ("--strategy=mirrored", "--cpu_replicas=2", "--grad_accum_steps=2",
-     "--steps_per_execution=3"),
-], ids=["default", "mirrored-accum2-spe3"])
+@EVERY_STRATEGY
 def test_several_named_inputs_from_a_csv(tables, user_dir, tmp_path, where):
     schema = tfspeed.data.read_schema(tables["iris"])
     assert schema.input_names == ("sepal_length", "sepal_width", "petal_length", "petal_width")

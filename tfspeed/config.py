@@ -54,6 +54,9 @@ class DataConfig:
         batches gathered inside the compiled step: no tf.data round trip), or ``auto``
         (device when the decoded split fits ``ram_budget_mb`` and no tf.data service or
         random_resized_crop needs the pipeline; ``tfspeed.data.ingraph``).
+      input_threads: threads tf.data's parallel stages may use (a private thread pool);
+        0: TensorFlow's default (one per core). Fewer leave cores to the training step on a
+        CPU host; ``tfspeed.tune`` measures whether that pays.
       train_split / eval_split: split names.
       prepare_source: if ``data_dir`` holds no finished conversion, convert this converter
         ``--source`` into it first (the demo job uses ``digits``).
@@ -83,6 +86,7 @@ class DataConfig:
     ram_budget_mb: int = 0
     image_dtype: str = "float32"
     input_placement: str = "auto"
+    input_threads: int = 0
     train_split: str = "train"
     eval_split: str = "validation"
     prepare_source: str = ""
@@ -98,6 +102,7 @@ class DataConfig:
         _positive("batch_size", self.batch_size)
         _non_negative("image_size", self.image_size)
         _non_negative("ram_budget_mb", self.ram_budget_mb)
+        _non_negative("input_threads", self.input_threads)
         _positive("shuffle_buffer", self.shuffle_buffer)
         _choice("cache", self.cache, CACHE_MODES)
         _choice("parse", self.parse, PARSE_MODES)

@@ -42,6 +42,8 @@ _INPUT_PLACEMENT = flags.DEFINE_enum(
     "input_placement", "auto", ["auto", "host", "device"],
     "Where the step gets its batches: host (tf.data), device (the decoded split held in-graph, "
     "batches gathered inside the compiled step); auto: device if it fits --ram_budget_mb.")
+_INPUT_THREADS = flags.DEFINE_integer(
+    "input_threads", 0, "Threads for tf.data's parallel stages; 0: one per core (TF's default).")
 _ON_CORRUPT = flags.DEFINE_enum(
     "on_corrupt", "skip", ["skip", "fail"],
     "A damaged shard: skip (report the records lost and go on) or fail (stop).")
@@ -160,6 +162,7 @@ def to_config() -> Config:
         parse=_PARSE.value,
         ram_budget_mb=_RAM_BUDGET_MB.value,
         input_placement=_INPUT_PLACEMENT.value,
+        input_threads=_INPUT_THREADS.value,
         train_split=_TRAIN_SPLIT.value,
         eval_split=_EVAL_SPLIT.value,
         prepare_source=_PREPARE_SOURCE.value,

@@ -363,6 +363,8 @@ def _options(config: DataConfig, deterministic: bool) -> tf.data.Options:
     options.deterministic = deterministic
     if config.ram_budget_mb:
         options.autotune.ram_budget = config.ram_budget_mb * 2**20
+    if config.input_threads:
+        options.threading.private_threadpool_size = config.input_threads
     # We shard explicitly above; tf.distribute must not shard a second time.
     options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
     options.experimental_optimization.map_parallelization = True

@@ -1,0 +1,172 @@
+"""``python -m tfspeed.tune`` against an exhaustive grid, on three real workloads.
+
+    python benchmarks/tune.py [--workdir=/tmp/tfspeed-bench-tune] [--budget_s=90]
+
+Workloads, each with the flags a user would write:
+  digits:   the main job, pipelines/digits.flags as shipped (a small CNN on the real digits);
+  photos64: 3,000 crops of real photographs (256-512 px JPEGs, converted as they are), the
+            small CNN at 64 px, --cache=none --input_placement=host (uncached);
+  csv:      the digits' 64 pixels as a CSV table, an MLP, the driver's defaults.
+
+For each: the tune as a user runs it (its own process, its budget), then in one further
+process the grid: every candidate of the same knobs (placement, cache, parse, input
+threads, precision, XLA, steps per execution in {1, the cost model's N, 64}), the user's
+flags and the tuned flags, each measured the way the tune verifies (a short real run of the
+driver, its steady-state median window). The tuned flags are measured again here so that
+they, the user's and the grid share the machine's state. Prints one JSON record: per
+workload user / tuned / grid-best examples/s, tuned ÷ grid-best, tuned ÷ user, and the
+prediction error of the chosen candidate.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+from absl import app, flags  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+_WORKDIR = flags.DEFINE_string("workdir", "/tmp/tfspeed-bench-tune", "Data and runs.")
+_BUDGET = flags.DEFINE_float("tune_budget_s", 90.0, "The tune's --budget_s.")
+_ONLY = flags.DEFINE_list("workloads", ["digits", "photos64", "csv"], "Which to run.")
+_GRID = flags.DEFINE_string("grid", "", "Internal: measure one workload's grid, print JSON.")
+
+
+def prepare(workdir: str) -> dict[str, list[str]]:
+    """The data (once) and each workload's user flagfile."""
+    import numpy as np
+    from sklearn.datasets import load_digits
+
+    from tfspeed import bench
+    from tfspeed.convert import convert
+
+    os.makedirs(workdir, exist_ok=True)
+    photos = os.path.join(workdir, "photos")
+    bench.make_photos(photos, 3000, 10)
+    convert(f"imagefolder:{photos}", os.path.join(workdir, "photos-data"))
+    x, y = load_digits(return_X_y=True)
+    table = os.path.join(workdir, "digits.csv")
+    if not os.path.exists(table):
+        header = ",".join([*(f"p{i}" for i in range(64)), "label"])
+        np.savetxt(table, np.column_stack([x, y]), delimiter=",", header=header,
+                   comments="", fmt="%d")
+    convert(f"csv:{table}", os.path.join(workdir, "csv-data"), label_column="label")
+    jobs = {
+        "digits": [f"--flagfile={os.path.join(REPO, 'pipelines', 'digits.flags')}",
+                   f"--data_dir={os.path.join(workdir, 'digits-data')}"],
+        "photos64": [f"--data_dir={os.path.join(workdir, 'photos-data')}", "--model=cnn",
+                     "--image_size=64", "--batch_size=64", "--epochs=10", "--cache=none",
+                     "--input_placement=host"],
+        "csv": [f"--data_dir={os.path.join(workdir, 'csv-data')}", "--model=mlp",
+                "--batch_size=64", "--epochs=20"],
+    }
+    for name, args in jobs.items():
+        with open(os.path.join(workdir, f"{name}.flags"), "w") as f:
+            f.write("\n".join(args) + "\n")
+    return jobs
+
+
+def tune_workload(workdir: str, name: str) -> dict:
+    """The tune as a user runs it; its tune.json, and its wall time."""
+    flagfile = os.path.join(workdir, f"{name}.flags")
+    tune_dir = os.path.join(workdir, "tune", name)
+    start = time.perf_counter()
+    done = subprocess.run(
+        [sys.executable, "-m", "tfspeed.tune", f"--flagfile={flagfile}",
+         f"--model_dir={os.path.join(workdir, 'runs', name)}", f"--tune_dir={tune_dir}",
+         f"--budget_s={_BUDGET.value:g}"], cwd=REPO, capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"tune {name} failed: {done.stderr[-3000:]}")
+    with open(os.path.join(tune_dir, "tune.json")) as f:
+        result = json.load(f)
+    result["wall_s"] = time.perf_counter() - start
+    result["stdout"] = done.stdout
+    return result
+
+
+def grid(workdir: str, name: str) -> dict:
+    """Measures every grid cell, the user's flags and the tuned flags (in this process)."""
+    from tfspeed import flags as tfspeed_flags
+    from tfspeed import tune
+    from tfspeed.data import schema as schema_lib
+
+    with open(os.path.join(workdir, "tune", name, "tune.json")) as f:
+        tuned = json.load(f)
+    m = tuned["measurements"]
+
+    def config(flagfile):
+        tfspeed_flags.parse(["grid", f"--flagfile={flagfile}",
+                             f"--model_dir={os.path.join(workdir, 'runs', name)}"])
+        return tfspeed_flags.to_config()
+
+    user = config(os.path.join(workdir, f"{name}.flags"))
+    records = schema_lib.read(user.data.data_dir).split(user.data.train_split).num_records
+    cells = []
+    for c in tune.candidates(m):
+        cap = max(m["steps_per_epoch"], 1)
+        for n in sorted({1, min(64, cap), c.steps_per_execution}):
+            cells.append(tune.Candidate(**{**tune.knob_values(c), "steps_per_execution": n}))
+    cells = list(dict.fromkeys(cells))
+    out = {"cells": [], "user": None, "tuned": None}
+    expected = max(r["predicted"] for r in tuned["candidates"])
+    run = iter(range(10**6))
+    for c in cells:
+        measured = tune.verify(user, c, os.path.join(workdir, "grid", name, str(next(run))),
+                               expected, records)
+        out["cells"].append({"label": c.label(), "flags": c.flags(), **measured})
+    out["user"] = tune.verify(user, None, os.path.join(workdir, "grid", name, "user"),
+                              expected, records)
+    tuned_config = config(tuned["tuned_flags"]["path"])
+    out["tuned"] = tune.verify(tuned_config, None, os.path.join(workdir, "grid", name,
+                                                                "tuned"), expected, records)
+    return out
+
+
+def main(argv):
+    del argv
+    workdir = _WORKDIR.value
+    if _GRID.value:
+        print(json.dumps(grid(workdir, _GRID.value)))
+        return
+    from tfspeed import bench
+
+    prepare(workdir)
+    figures, ratios, details = {}, {}, {}
+    for name in _ONLY.value:
+        tuned = tune_workload(workdir, name)
+        done = subprocess.run([sys.executable, os.path.abspath(__file__), f"--workdir={workdir}",
+                               f"--grid={name}"], cwd=REPO, capture_output=True, text=True)
+        if done.returncode:
+            raise RuntimeError(f"grid {name} failed: {done.stderr[-3000:]}")
+        cells = json.loads(done.stdout.strip().splitlines()[-1])
+        best = max(cells["cells"], key=lambda r: r["examples_per_sec"])
+        user, again = cells["user"]["examples_per_sec"], cells["tuned"]["examples_per_sec"]
+        figures[name] = {
+            "user_examples_per_sec": user, "tuned_examples_per_sec": again,
+            "tuned_in_tune_examples_per_sec": tuned["examples_per_sec"],
+            "grid_best_examples_per_sec": best["examples_per_sec"],
+            "predicted_examples_per_sec": tuned["predicted"], "tune_seconds": tuned["seconds"],
+            "tune_wall_seconds": tuned["wall_s"], "grid_cells": len(cells["cells"])}
+        ratios[name] = {"tuned_vs_grid_best": again / best["examples_per_sec"],
+                        "tuned_vs_user": again / user,
+                        "grid_best_vs_user": best["examples_per_sec"] / user,
+                        "prediction_error": tuned["prediction_error"]}
+        details[name] = {"grid_best": best["label"], "chosen": tuned["chosen"]["label"],
+                         "changed": tuned["tuned_flags"]["changed"], "skipped":
+                         tuned["skipped"], "tune_output": tuned["stdout"],
+                         "grid": sorted(((r["label"], round(r["examples_per_sec"]))
+                                         for r in cells["cells"]), key=lambda r: -r[1])}
+        print(json.dumps({name: [figures[name], ratios[name]]}), file=sys.stderr)
+    config = {"workloads": _ONLY.value, "tune_budget_s": _BUDGET.value, "details": details}
+    print(json.dumps(bench.record("tune", config, figures, ratios), indent=2))
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,137 @@
+"""python -m tfspeed.tune: the prediction model, the candidate space, and one real tune."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO
+from tfspeed import tune
+
+C = tune.Candidate
+
+
+def _measurements(**over):
+    m = {"batch_size": 100, "cores": 2, "steps_per_epoch": 50, "device_ok": True,
+         "device_step_ratio": 1.0, "caches": ["none", "memory"], "parses": ["batched"],
+         "input": {"cold/batched": {"cpu_s": 40e-6}, "memory": {"cpu_s": 4e-6}},
+         "step": {"float32/off": {"overhead_s": 1e-3, "step_s": 2e-3, "cpu_per_step_s": 2e-3}}}
+    m.update(over)
+    return m
+
+
+def test_a_step_bound_job_is_predicted_at_the_step_with_its_call_overhead():
+    m = _measurements()
+    p = tune.predict(C("device", "none", "batched", 0, "float32", "off", 4), m)
+    # w = 2 ms + 1 ms / 4; nothing else runs: 100 / 2.25 ms.
+    assert p["bound"] == "step" and p["examples_per_sec"] == pytest.approx(100 / 2.25e-3)
+
+
+def test_input_and_step_share_the_cores_on_a_cpu_host():
+    m = _measurements()
+    cold = tune.predict(C("host", "none", "batched", 0, "float32", "off", 1), m)
+    # i = 100 x 40 µs = 4 ms CPU; u = 2 ms; (u + i) / 2 cores = 3 ms > w = 3 ms (2 + 1): tie
+    # broken to the larger term; with threads=1 the input alone takes 4 ms per batch.
+    assert cold["examples_per_sec"] == pytest.approx(100 / 3e-3)
+    capped = tune.predict(C("host", "none", "batched", 1, "float32", "off", 1), m)
+    assert capped["bound"] == "input" and capped["examples_per_sec"] == pytest.approx(100 / 4e-3)
+    warm = tune.predict(C("host", "memory", "batched", 0, "float32", "off", 8), m)
+    # i = 0.4 ms: the step (2.125 ms) bounds it, not (2 + 0.4) / 2.
+    assert warm["bound"] == "step" and warm["examples_per_sec"] == pytest.approx(100 / 2.125e-3)
+
+
+def test_candidates_cover_the_feasible_knobs_only():
+    m = _measurements(device_ok=False, parses=["batched", "single"])
+    found = tune.candidates(m)
+    assert {c.input_placement for c in found} == {"host"}
+    # parse varies only where records are parsed every epoch; spe: 1 and the cost model's N.
+    assert {(c.cache, c.parse) for c in found} == {("none", "batched"), ("none", "single"),
+                                                   ("memory", "batched")}
+    # 1 ms per call, 2 ms per step: 32 steps keep the overhead under 2% (25 would do).
+    assert {c.steps_per_execution for c in found} == {1, 32}
+    assert {c.input_threads for c in found} == {0, 1}
+    assert len(found) == 3 * 2 * 2
+
+
+def test_verification_covers_each_input_setup_before_variants_of_one():
+    m = _measurements()
+    ranked = sorted(({"candidate": c, **tune.predict(c, m)} for c in tune.candidates(m)),
+                    key=lambda r: -r["examples_per_sec"])
+    picked = [r["candidate"] for r in tune._to_verify(ranked, 3)]
+    assert {(c.input_placement, c.cache) for c in picked} == {("device", "none"),
+                                                              ("host", "memory"),
+                                                              ("host", "none")}
+
+
+@pytest.fixture(scope="module")
+def tuned(tabular_dir, tmp_path_factory):
+    """One real tune of a small MLP job, as a user runs it."""
+    root = tmp_path_factory.mktemp("tune")
+    flagfile = root / "job.flags"
+    flagfile.write_text(f"--data_dir={tabular_dir}\n--model=mlp\n--width=16\n--batch_size=20\n"
+                        "--epochs=5\n--cache=none\n--input_placement=host\n"
+                        "--precision=float32\n")
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
+    done = subprocess.run(
+        [sys.executable, "-m", "tfspeed.tune", f"--flagfile={flagfile}",
+         f"--model_dir={root / 'run'}", "--budget_s=35", "--verify=1"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return root, done.stdout
+
+
+def test_a_tune_writes_flags_that_nest_the_original_and_train(tuned):
+    root, stdout = tuned
+    lines = (root / "run" / "tune" / "tuned.flags").read_text().splitlines()
+    assert lines[0].startswith("# python -m tfspeed.tune: ")
+    assert lines[1] == f"--flagfile={root / 'job.flags'}"
+    assert lines[2] == f"--model_dir={root / 'run'}"
+    result = json.loads((root / "run" / "tune" / "tune.json").read_text())
+    changed = result["tuned_flags"]["changed"]
+    flags = [line for line in lines[3:] if not line.startswith("#")]
+    assert flags == [f"--{k}={v}" for k, v in changed.items()]
+    # Each changed flag comes after a comment giving its reason.
+    assert all(lines[lines.index(f) - 1].startswith("# ") for f in flags)
+    assert "train with: python -m tfspeed.train --flagfile=" in stdout
+    # The tuned flags train as they are.
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
+    done = subprocess.run([sys.executable, "-m", "tfspeed.train",
+                           f"--flagfile={root / 'run' / 'tune' / 'tuned.flags'}",
+                           f"--model_dir={root / 'trained'}", "--train_steps=5"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads((root / "trained" / "report.json").read_text())
+    for name, value in changed.items():
+        section = ("runtime" if name in ("precision", "xla") else
+                   "train" if name == "steps_per_execution" else "data")
+        assert str(report["config"][section][name]) == str(value)
+
+
+def test_a_tune_records_every_candidate_and_the_verified_ones(tuned):
+    root, stdout = tuned
+    result = json.loads((root / "run" / "tune" / "tune.json").read_text())
+    m = result["measurements"]
+    assert m["input"]["cold/batched"]["cpu_s"] > 0 and m["size_mb"] > 0
+    assert set(m["step"]) >= {"float32/off"}
+    labels = {r["label"] for r in result["candidates"]}
+    assert len(labels) == len(result["candidates"]) >= 4
+    verified = [r for r in result["candidates"] if "measured" in r]
+    assert len(verified) == 1
+    assert all(r["measured"]["examples_per_sec"] > 0 for r in verified)
+    assert result["user"]["resolved"]["input_placement"] == "host"
+    assert result["user"]["resolved"]["cache"] == "none"
+    assert result["seconds"] <= 35 + 15  # the budget, and the last run it allowed
+    assert os.path.getsize(root / "run" / "tune" / "tune.png") > 1000
+    assert "your flags" in stdout and "chosen:" in stdout
+
+
+def test_a_budget_too_small_to_verify_is_one_line(tabular_dir, tmp_path):
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
+    done = subprocess.run(
+        [sys.executable, "-m", "tfspeed.tune", f"--data_dir={tabular_dir}", "--model=mlp",
+         f"--model_dir={tmp_path}", "--budget_s=1"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "error: --budget_s=1 left no time to verify a candidate (measuring took " in done.stderr
