@@ -65,6 +65,22 @@ def test_verification_covers_each_input_setup_before_variants_of_one():
                                                               ("host", "none")}
 
 
+def test_a_verification_run_fills_a_cache_first_and_times_about_three_seconds():
+    from tfspeed.config import Config, DataConfig, TrainConfig
+
+    m = _measurements()
+    config = Config(data=DataConfig(data_dir="d", batch_size=100), train=TrainConfig())
+    cached = tune.plan_run(config, C("host", "memory", "batched", 0, "float32", "off", 8), m,
+                           rate=20_000, cold_rate=5_000)
+    # 3 s at 20k examples/s = 600 steps after the 50-step epoch that fills the cache, whose
+    # 5,000 examples run at the cold rate: 4 s setup + 1 s + 3 s.
+    assert cached.micro_steps == 50 + 600 and cached.log_every == 72
+    assert cached.seconds == pytest.approx(4 + 1 + 3)
+    in_step = tune.plan_run(config, C("device", "none", "batched", 0, "float32", "off", 8), m,
+                            rate=20_000, cold_rate=20_000)
+    assert in_step.micro_steps == 2 * 72 + 600  # two windows to settle, no epoch to fill
+
+
 @pytest.fixture(scope="module")
 def tuned(tabular_dir, tmp_path_factory):
     """One real tune of a small MLP job, as a user runs it."""
