@@ -150,7 +150,7 @@ def measure(config, budget: Budget, probe_dir: str) -> dict:
     import tensorflow as tf
 
     from tfspeed import runtime, train
-    from tfspeed.data import ingraph, plan
+    from tfspeed.data import ingraph, job_input, plan
 
     host = _variant(config, input_placement="host", cache="none", precision="float32",
                     model_dir=probe_dir)
@@ -184,33 +184,32 @@ def measure(config, budget: Budget, probe_dir: str) -> dict:
         gpu = bool(tf.config.list_logical_devices("GPU"))
         xlas = ["on"] if gpu else ["off", "on"]  # on a GPU XLA is the measured default
         held = _held_batches(job)
-        cost = 0.0
+        probes, cost = {}, 0.0
         for xla, precision in itertools.product(xlas, precisions):
             if cost and not budget.allows(cost * (2 if xla == "on" else 1),
                                           f"the step at {precision}, xla={xla}"):
                 continue
             start = time.perf_counter()
-            m["step"][f"{precision}/{xla}"] = _measure_step(job, held, precision, xla)
-            cost = cost or time.perf_counter() - start
-        first = next(iter(m["step"]))
+            probes[f"{precision}/{xla}"] = _probe(job, held, precision, xla)
+            cost = cost or 2 * (time.perf_counter() - start)  # building, then timing
+        first = next(iter(probes))
+        load_s = size_mb / 50 + m["input"]["cold/batched"]["wall_s"] * job.num_train
+        if device_ok and budget.allows(cost / 2 + load_s, "the step with the split held in it"):
+            # The split held in the step, gathered and augmented there: the same model and
+            # precision as the first, timed in the same rounds as the others.
+            in_step = ingraph.load(data, schema, split, global_batch_size=data.batch_size,
+                                   device=job_input.device())
+            probes["device"] = _probe(job, in_step, *first.split("/"))
+        elif device_ok:
+            m["device_ok"] = False
+        _time_interleaved(probes.values())
     finally:
         job.release()
+    m["step"] = {key: probe.figures() for key, probe in probes.items() if key != "device"}
     m["device_step_ratio"] = 1.0
-    load_s = size_mb / 50 + m["input"]["cold/batched"]["wall_s"] * job.num_train
-    if device_ok and budget.allows(cost + load_s, "the step with the split held in it"):
-        precision, xla = first.split("/")
-        dev = _variant(config, input_placement="device", precision=precision, xla=xla,
-                       model_dir=probe_dir)
-        with train.data_errors(config.data.data_dir):
-            job = train.prepare(dev)
-        try:
-            in_step = _measure_step(job, job.train_data, precision, xla)
-        finally:
-            job.release()
-        m["device_step"] = in_step
-        m["device_step_ratio"] = in_step["step_s"] / m["step"][first]["step_s"]
-    elif device_ok:
-        m["device_ok"] = False
+    if "device" in probes:
+        m["device_step"] = probes["device"].figures()
+        m["device_step_ratio"] = m["device_step"]["step_s"] / m["step"][first]["step_s"]
     return m
 
 
@@ -319,8 +318,34 @@ def _held_batches(job):
         tf.data.Dataset.from_tensors(held).repeat()))
 
 
-def _measure_step(job, source, precision: str, xla: str) -> dict:
-    """A call's overhead, a step's wall time and its CPU-seconds, for one precision/XLA."""
+@dataclasses.dataclass
+class _Probe:
+    """One precision/XLA setting's engine, ready to time: calls of ``n`` steps (~50 ms)."""
+
+    engine: object
+    source: object
+    n: int
+    overhead: float
+    walls: list
+    cpus: list
+
+    def call(self) -> None:
+        cpu, start = time.process_time(), time.perf_counter()
+        self.engine.train(self.source, self.n)["loss"].numpy()
+        self.walls.append(time.perf_counter() - start)
+        self.cpus.append(time.process_time() - cpu)
+
+    def figures(self) -> dict:
+        """The fastest call: on a shared machine noise only ever adds time."""
+        fastest = min(range(len(self.walls)), key=self.walls.__getitem__)
+        return {"overhead_s": self.overhead,
+                "step_s": max(self.walls[fastest] - self.overhead, 1e-7) / self.n,
+                "cpu_per_step_s": self.cpus[fastest] / self.n, "steps_timed": self.n}
+
+
+def _probe(job, source, precision: str, xla: str) -> _Probe:
+    """Builds the model and engine at ``precision``/``xla``, traces it, and measures a call's
+    fixed overhead (calls of 0 steps)."""
     import keras
 
     from tfspeed import models, objectives, trainer
@@ -346,18 +371,17 @@ def _measure_step(job, source, precision: str, xla: str) -> dict:
         engine.train(source, 0)
         empty.append(time.perf_counter() - start)
     overhead = statistics.median(empty)
-    # Calls long enough to time well (~30 ms), and no longer: 1 to 512 steps.
-    n = int(min(max(round(0.03 / max(one - overhead, 1e-6)), 1), 512))
-    walls, cpus = [], []
-    for _ in range(3):
-        cpu, start = time.process_time(), time.perf_counter()
-        engine.train(source, n)["loss"].numpy()
-        walls.append(time.perf_counter() - start)
-        cpus.append(time.process_time() - cpu)
-    # The fastest call: on a shared machine noise only ever adds time.
-    fastest = min(range(len(walls)), key=walls.__getitem__)
-    return {"overhead_s": overhead, "step_s": max(walls[fastest] - overhead, 1e-7) / n,
-            "cpu_per_step_s": cpus[fastest] / n, "steps_timed": n}
+    n = int(min(max(round(0.05 / max(one - overhead, 1e-6)), 1), 512))
+    return _Probe(engine, source, n, overhead, [], [])
+
+
+def _time_interleaved(probes, rounds: int = 3) -> None:
+    """Each probe's calls, taking turns: the machine's noise spreads over all of them, and
+    the first measured is not the one a busy moment hits."""
+    probes = list(probes)
+    for _ in range(rounds):
+        for probe in probes:
+            probe.call()
 
 
 # ------------------------------------------------------------------ verifying
@@ -394,8 +418,11 @@ def plan_run(config, c: Candidate | None, m: dict, rate: float, cold_rate: float
 def verify(config, c: Candidate | None, run_dir: str, plan: RunPlan) -> dict:
     """A short real run of the driver with ``c`` (None: the user's flags as they are);
     steady-state examples/s from its meter: the median window, after a cache has filled."""
+    import shutil
+
     from tfspeed import train
 
+    shutil.rmtree(run_dir, ignore_errors=True)  # a run left there would be resumed, not timed
     knobs = knob_values(c) if c else {}
     accum = config.train.grad_accum_steps
     variant = _variant(config, model_dir=run_dir, **knobs,

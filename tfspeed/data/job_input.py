@@ -72,7 +72,7 @@ def build(config: Config, schema, strategy, num_train: int) -> JobInput:
 
     if placement.where == "device":
         train_input = ingraph.load(configs[data.train_split], schema, data.train_split,
-                                   global_batch_size=data.batch_size, device=_device())
+                                   global_batch_size=data.batch_size, device=device())
     else:
         train_input = dataset(data.train_split, True)
     return JobInput(train=train_input,
@@ -81,7 +81,7 @@ def build(config: Config, schema, strategy, num_train: int) -> JobInput:
                     report=report)
 
 
-def _device() -> str:
+def device() -> str:
     """Where in-graph data lives: the first GPU, else the host."""
     return "/gpu:0" if tf.config.list_logical_devices("GPU") else "/cpu:0"
 
