@@ -45,6 +45,7 @@ _VERIFY = flags.DEFINE_integer("verify", 3, "Best predicted candidates to verify
 _MEASURE_TO = flags.DEFINE_string("measure_to", "", "Internal: only measure, into this JSON.")
 
 VERIFY_SECONDS = 3.0  # of timed steady-state steps per verification run
+MIN_BUDGET_S = 20.0  # TF's start in two processes, the first measurements, one short run
 MEASURE_SHARE = 0.55  # of the budget, at most, for measuring
 NOISE = 0.03  # runs closer than this to the fastest count as equally fast
 
@@ -749,9 +750,12 @@ def _chart(result: dict, path: str) -> str:
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise UsageError(f"unexpected arguments {argv[1:]}: every option is a --flag")
-    if _BUDGET_S.value <= 0 or _VERIFY.value < 1:
-        raise UsageError(f"--budget_s={_BUDGET_S.value:g} must be > 0 and --verify="
-                         f"{_VERIFY.value} >= 1")
+    if _VERIFY.value < 1:
+        raise UsageError(f"--verify={_VERIFY.value} must be >= 1")
+    if _BUDGET_S.value < MIN_BUDGET_S and not _MEASURE_TO.value:
+        raise UsageError(f"--budget_s={_BUDGET_S.value:g} is too short: measuring and one "
+                         f"verifying run take at least ~{MIN_BUDGET_S:.0f} s; give "
+                         f"--budget_s={MIN_BUDGET_S:.0f} or more (default 90)")
     config = tfspeed_flags.to_config()
     tune_dir = _TUNE_DIR.value or os.path.join(config.model_dir, "tune")
     if _MEASURE_TO.value:
