@@ -1,6 +1,6 @@
 """``python -m tfspeed.tune`` against an exhaustive grid, on three real workloads.
 
-    python benchmarks/tune.py [--workdir=/tmp/tfspeed-bench-tune] [--budget_s=90]
+    python benchmarks/tune.py [--workdir=/tmp/tfspeed-bench-tune] [--tune_budget_s=90]
 
 Workloads, each with the flags a user would write:
   digits:   the main job, pipelines/digits.flags as shipped (a small CNN on the real digits);
@@ -9,10 +9,10 @@ Workloads, each with the flags a user would write:
   csv:      the digits' 64 pixels as a CSV table, an MLP, the driver's defaults.
 
 For each: the tune as a user runs it (its own process, its budget), then in one further
-process the grid: every candidate of the same knobs (placement, cache, parse, input
-threads, precision, XLA, steps per execution in {1, the cost model's N, 64}), the user's
+process the grid: every combination of the same knobs that the tune predicts (placement,
+cache, parse, input threads, precision, XLA, steps per execution 1 or the cost model's N),
 each measured the way the tune verifies (a short real run of the driver, its steady-state
-median window). The best of many single noisy runs is inflated, so the grid's top 3, the
+median window). The best of many single noisy runs is inflated, so the grid's top 2, the
 user's flags and the tuned flags (measured again here, sharing the machine's state) then run
 in 3 interleaved rounds, and their medians are compared. Prints one JSON record: per workload
 user / tuned / grid-best examples/s, tuned ÷ grid-best, tuned ÷ user, and the prediction
@@ -108,12 +108,7 @@ def grid(workdir: str, name: str) -> dict:
         return tfspeed_flags.to_config()
 
     user = config(os.path.join(workdir, f"{name}.flags"))
-    cells = []
-    for c in tune.candidates(m):
-        cap = max(m["steps_per_epoch"], 1)
-        for n in sorted({1, min(64, cap), c.steps_per_execution}):
-            cells.append(tune.Candidate(**{**tune.knob_values(c), "steps_per_execution": n}))
-    cells = list(dict.fromkeys(cells))
+    cells = tune.candidates(m)
     out = {"cells": [], "user": None, "tuned": None}
     slowest = min(tune.predict(c, m)["examples_per_sec"] for c in cells)
 
@@ -129,11 +124,11 @@ def grid(workdir: str, name: str) -> dict:
         measured = tune.verify(user, c, os.path.join(workdir, "grid", name, str(i)),
                                plan(user, c))
         out["cells"].append({"label": c.label(), "flags": c.flags(), **measured})
-    # The best of many single noisy runs is inflated (the winner's curse): the grid's top 3,
+    # The best of many single noisy runs is inflated (the winner's curse): the grid's top 2,
     # the user's flags and the tuned flags are measured again, in interleaved rounds, and
     # those medians are what the ratios compare.
     tuned_config = config(tuned["tuned_flags"]["path"])
-    top = sorted(range(len(cells)), key=lambda i: -out["cells"][i]["examples_per_sec"])[:3]
+    top = sorted(range(len(cells)), key=lambda i: -out["cells"][i]["examples_per_sec"])[:2]
     finals = {**{f"grid{i}": (user, cells[i]) for i in top}, "user": (user, None),
               "tuned": (tuned_config, None)}
     rounds = {key: [] for key in finals}
