@@ -526,8 +526,16 @@ def run(config, flag_args: list[str], budget_s: float, tune_dir: str, verify_n: 
     close = [r for r in verified if r["measured"]["examples_per_sec"] >= (1 - NOISE) * best]
     chosen = min(close, key=lambda r: (_changes(r["candidate"], resolved),
                                        -r["measured"]["examples_per_sec"]))
-    keep_user = ("measured" in user and user["measured"]["examples_per_sec"]
-                 >= (1 - NOISE) * best)
+    # Yours stay when they are as fast, or when they already resolve to the chosen settings
+    # (two runs of one configuration differ only by noise).
+    keep_user = "measured" in user and (
+        user["measured"]["examples_per_sec"] >= (1 - NOISE) * best
+        or not _changes(chosen["candidate"], resolved))
+    if keep_user:
+        user["measured"]["examples_per_sec"] = max(user["measured"]["examples_per_sec"],
+                                                   chosen["measured"]["examples_per_sec"]
+                                                   if not _changes(chosen["candidate"],
+                                                                   resolved) else 0)
     result = _result(m, ranked, chosen, user, budget, keep_user)
     result["reconvert"] = recommend_storage(config, m, chosen)
     result["tuned_flags"] = write_flags(os.path.join(tune_dir, "tuned.flags"), flag_args,
