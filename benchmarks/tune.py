@@ -112,9 +112,9 @@ def grid(workdir: str, name: str) -> dict:
     out = {"cells": [], "user": None, "tuned": None}
     slowest = min(tune.predict(c, m)["examples_per_sec"] for c in cells)
 
-    def plan(config, c):
-        if c is None:
-            return tune.plan_run(config, None, m, slowest, slowest)
+    def plan(config, c, rate_if_unknown=slowest):
+        if c is None:  # the flags as they are: run as long as the finalists' cells
+            return tune.plan_run(config, None, m, rate_if_unknown, slowest)
         cold = tune.predict(tune.Candidate(**{**tune.knob_values(c), "input_placement": "host",
                                               "cache": "none"}), m)["examples_per_sec"]
         rate = tune.predict(c, m)["examples_per_sec"]
@@ -131,11 +131,15 @@ def grid(workdir: str, name: str) -> dict:
     top = sorted(range(len(cells)), key=lambda i: -out["cells"][i]["examples_per_sec"])[:2]
     finals = {**{f"grid{i}": (user, cells[i]) for i in top}, "user": (user, None),
               "tuned": (tuned_config, None)}
+    # One length for the user's and the tuned flags, that of the grid's best cell: a run
+    # planned for the slowest prediction would be shorter, and count its log points more.
+    final_rate = tune.predict(cells[top[0]], m)["examples_per_sec"]
     rounds = {key: [] for key in finals}
     for r in range(ROUNDS):
         for key, (cfg, c) in finals.items():
             rounds[key].append(tune.verify(cfg, c, os.path.join(workdir, "grid", name,
-                                                                f"{key}-{r}"), plan(cfg, c)))
+                                                                f"{key}-{r}"),
+                                           plan(cfg, c, final_rate)))
     for key, runs in rounds.items():
         eps = sorted(run["examples_per_sec"] for run in runs)
         out[key] = {**runs[0], "examples_per_sec": eps[len(eps) // 2], "rounds": eps,

@@ -83,6 +83,17 @@ def test_a_verification_run_fills_a_cache_first_and_times_about_three_seconds():
     assert in_step.micro_steps == 2 * 72 + 600  # two windows to settle, no epoch to fill
 
 
+def test_the_budget_scales_estimates_by_how_late_runs_were_and_keeps_a_reserve():
+    budget = tune.Budget(60, reserve=2)
+    assert budget.allows(50, "a run")
+    budget.observe(expected=5, took=10)  # the first run took twice its estimate
+    budget.observe(expected=10, took=5)  # an early one does not lower the factor
+    assert budget.slowdown == 2
+    assert not budget.allows(30, "a second run")  # 60 s: not in 58 - epsilon
+    assert budget.skipped == ["a second run (~60 s; 60 s left)"]
+    assert budget.allows(28, "a shorter run")
+
+
 @pytest.fixture(scope="module")
 def tuned(tabular_dir, tmp_path_factory):
     """One real tune of a small MLP job, as a user runs it (measuring in its child process,
@@ -101,7 +112,7 @@ def tuned(tabular_dir, tmp_path_factory):
     with flagsaver.flagsaver(), contextlib.redirect_stdout(stdout):
         tfspeed_flags.parse(["tfspeed.tune", *args])
         config = tfspeed_flags.to_config()
-        tune.run(config, args, budget_s=30, tune_dir=str(root / "run" / "tune"), verify_n=1)
+        tune.run(config, args, budget_s=36, tune_dir=str(root / "run" / "tune"), verify_n=1)
     return root, stdout.getvalue()
 
 

@@ -43,10 +43,13 @@ _TUNE_DIR = flags.DEFINE_string("tune_dir", "", "Where tuned.flags, tune.json an
                                 "go; default MODEL_DIR/tune.")
 _VERIFY = flags.DEFINE_integer("verify", 3, "Best predicted candidates to verify by real runs.")
 _MEASURE_TO = flags.DEFINE_string("measure_to", "", "Internal: only measure, into this JSON.")
+_DEADLINE = flags.DEFINE_float("deadline", 0.0, "Internal: with --measure_to, the Unix time "
+                               "by which measuring ends (TF's start in the child counts).")
 
 VERIFY_SECONDS = 3.0  # of timed steady-state steps per verification run
 MIN_BUDGET_S = 20.0  # TF's start in two processes, the first measurements, one short run
 MEASURE_SHARE = 0.55  # of the budget, at most, for measuring
+FINISH_S = 2.0  # kept back for writing tuned.flags, tune.json and the chart
 NOISE = 0.03  # runs closer than this to the fastest count as equally fast
 
 
@@ -74,18 +77,29 @@ class Candidate:
 
 
 class Budget:
-    """The deadline, and what was left out for lack of time."""
+    """The deadline, and what was left out for lack of time.
 
-    def __init__(self, seconds: float):
+    Estimates of a run's seconds are scaled by how much longer the runs so far took than
+    estimated (``observe``): a slow model or a busy machine shortens the plan, not the
+    deadline.
+    """
+
+    def __init__(self, seconds: float, reserve: float = 0.0):
         self.start = time.perf_counter()
         self.seconds = seconds
+        self.reserve = reserve
+        self.slowdown = 1.0
         self.skipped: list[str] = []
 
     def left(self) -> float:
         return self.seconds - (time.perf_counter() - self.start)
 
+    def observe(self, expected: float, took: float) -> None:
+        self.slowdown = max(self.slowdown, took / max(expected, 1e-3))
+
     def allows(self, seconds: float, what: str) -> bool:
-        if self.left() >= seconds:
+        seconds *= self.slowdown
+        if self.left() - self.reserve >= seconds:
             return True
         self.skipped.append(f"{what} (~{seconds:.0f} s; {max(self.left(), 0):.0f} s left)")
         return False
@@ -222,10 +236,11 @@ def measure_apart(flag_args: list[str], budget: Budget, tune_dir: str) -> dict:
     import sys
 
     path = os.path.join(tune_dir, "measurements.json")
-    args = [a for a in flag_args if not a.startswith(("--budget_s", "--measure_to"))]
+    args = [a for a in flag_args if not a.startswith(("--budget_s", "--measure_to", "--deadline"))]
     share = max(MEASURE_SHARE * budget.left(), 1)  # the rest is for the runs that verify
     done = subprocess.run([sys.executable, "-m", "tfspeed.tune", *args,
-                           f"--budget_s={share:.1f}", f"--measure_to={path}"],
+                           f"--budget_s={share:.1f}", f"--deadline={time.time() + share:.3f}",
+                           f"--measure_to={path}"],
                           capture_output=True, text=True)
     errors = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
     if done.returncode == 2 and errors:
@@ -469,12 +484,14 @@ def as_candidate(resolved: dict) -> Candidate | None:
 # ------------------------------------------------------------------ the whole tune
 
 
-def run(config, flag_args: list[str], budget_s: float, tune_dir: str, verify_n: int) -> dict:
+def run(config, flag_args: list[str], budget_s: float, tune_dir: str, verify_n: int,
+        budget: Budget | None = None) -> dict:
     """Measures (in a child process given ``flag_args``), predicts, verifies; writes
-    tuned.flags, tune.json and tune.png into ``tune_dir``."""
+    tuned.flags, tune.json and tune.png into ``tune_dir``. ``budget`` may have started
+    earlier (the command's own start counts)."""
     import shutil
 
-    budget = Budget(budget_s)
+    budget = budget or Budget(budget_s, reserve=FINISH_S)
     os.makedirs(tune_dir, exist_ok=True)
     work = os.path.join(tune_dir, "work")
     shutil.rmtree(work, ignore_errors=True)
@@ -495,6 +512,7 @@ def run(config, flag_args: list[str], budget_s: float, tune_dir: str, verify_n: 
             return False
         runs += 1
         entry["measured"] = verify(config, c, os.path.join(work, f"run{runs}"), plan)
+        budget.observe(plan.seconds, entry["measured"]["seconds"])
         return True
 
     user = {"candidate": None}
@@ -764,15 +782,18 @@ def main(argv: list[str]) -> None:
         raise UsageError(f"--budget_s={_BUDGET_S.value:g} is too short: measuring and one "
                          f"verifying run take at least ~{MIN_BUDGET_S:.0f} s; give "
                          f"--budget_s={MIN_BUDGET_S:.0f} or more (default 90)")
+    if _MEASURE_TO.value:
+        budget = Budget(_DEADLINE.value - time.time() if _DEADLINE.value else _BUDGET_S.value)
+    else:  # from here: building the config (device detection) counts too
+        budget = Budget(_BUDGET_S.value, reserve=FINISH_S)
     config = tfspeed_flags.to_config()
     tune_dir = _TUNE_DIR.value or os.path.join(config.model_dir, "tune")
     if _MEASURE_TO.value:
-        budget = Budget(_BUDGET_S.value)
         m = measure(config, budget, os.path.join(tune_dir, "work", "probe"))
         with open(_MEASURE_TO.value, "w") as f:
             json.dump({**m, "skipped": budget.skipped}, f)
         return
-    run(config, list(_ARGS), _BUDGET_S.value, tune_dir, _VERIFY.value)
+    run(config, list(_ARGS), _BUDGET_S.value, tune_dir, _VERIFY.value, budget)
 
 
 _ARGS: list[str] = []
