@@ -166,15 +166,17 @@ PIPELINES = ("peer_files", "peer_tfrecord", "limit_decode_resize", "tfspeed_cold
              "tfspeed_warm_uint8", "bare_memory_uint8")
 
 
-def conversions(root: str, photos: str) -> dict:
+def conversions(root: str, photos: str, rounds: int = 2) -> dict:
     """The converter's command line, as users run it: the default conversion (JPEG at rest)
-    and the 224-px storage one with --workers=1 and with the default workers."""
+    and the 224-px storage one with --workers=1 and with the default workers, those two in
+    ``rounds`` interleaved rounds (the faster of each counts)."""
     import subprocess
 
     figures = {}
-    for name, extra in (("jpeg_at_rest", []),
-                        ("storage_224_workers_1", [f"--image_size={SIZE}", "--workers=1"]),
-                        ("storage_224", [f"--image_size={SIZE}", "--image_format=auto"])):
+    runs = [("jpeg_at_rest", [])] + rounds * [
+        ("storage_224_workers_1", [f"--image_size={SIZE}", "--workers=1"]),
+        ("storage_224", [f"--image_size={SIZE}", "--image_format=auto"])]
+    for name, extra in runs:
         out = os.path.join(root, f"tfspeed-{name}")
         command = [sys.executable, os.path.join(REPO, "scripts", "to_tfrecord.py"),
                    f"--source=imagefolder:{photos}", f"--output={out}", "--overwrite",
@@ -183,8 +185,12 @@ def conversions(root: str, photos: str) -> dict:
         line = proc.stdout.strip().splitlines()[-1]
         with open(os.path.join(out, "schema.json")) as f:
             schema = json.load(f)
-        figures[name] = {"records_per_sec": float(line.rsplit("(", 1)[1].split()[0]),
-                         "summary": line, "storage": schema.get("storage"), "data_dir": out}
+        rate = float(line.rsplit("(", 1)[1].split()[0])
+        seen = figures.get(name, {}).get("rounds_records_per_sec", [])
+        if not seen or rate > max(seen):
+            figures[name] = {"records_per_sec": rate, "summary": line,
+                             "storage": schema.get("storage"), "data_dir": out}
+        figures[name]["rounds_records_per_sec"] = [*seen, rate]
     return figures
 
 

@@ -43,3 +43,36 @@ def test_precision_takes_bfloat16_only_when_it_is_clearly_faster():
         "bfloat16 is not 5% faster here, so float32 (exact) is kept")
     assert autotune.choose_precision(bf16, {"float32": 0.56e-3, bf16: 0.60e-3})[0] == "float32"
     assert autotune.choose_precision(bf16, {"float32": 5.41e-3, bf16: 4.34e-3})[0] == bf16
+
+
+class _Steps:
+    """Something with an engine's ``train(batches, n)``: ``n`` steps of ``step_s`` each,
+    by the clock (TensorFlow is not needed to check how calls are sized and interleaved)."""
+
+    def __init__(self, step_s, log):
+        self.step_s, self.log = step_s, log
+
+    def train(self, batches, n):
+        import time
+
+        self.log.append((self.step_s, n))
+        time.sleep(self.step_s * n)
+        return {"loss": _Value()}
+
+
+class _Value:
+    def numpy(self):
+        return 0.0
+
+
+@pytest.mark.parametrize("step_s, steps", [(1e-3, 64), (0.12, 1)])
+def test_precision_probe_calls_last_about_fifty_ms_and_take_turns(step_s, steps):
+    log = []
+    engines = {"float32": _Steps(step_s, log), "mixed_bfloat16": _Steps(step_s / 2, log)}
+    seconds = autotune.time_steps(engines, None, call_s=0.05, rounds=3)
+    timed = log[4:]  # after each engine's tracing call and its sizing call of 2
+    assert [n for _, n in log[:4]] == [1, 2, 1, 2]
+    # Sized by the faster engine: 50 ms of its steps, at most 64 (a tiny model), at least 1.
+    assert {n for _, n in timed} == {steps}
+    assert [s for s, _ in timed] == [step_s, step_s / 2] * 3  # interleaved, 3 rounds
+    assert seconds["mixed_bfloat16"] < seconds["float32"]

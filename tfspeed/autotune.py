@@ -83,15 +83,24 @@ def tune_steps_per_execution(run_call, remaining: int, per_epoch: int, agree=lam
                 f"call, at most one epoch ({per_epoch} steps)"}
 
 
-def time_steps(engines: dict, batches, steps: int = 16, rounds: int = 3) -> dict[str, float]:
+def time_steps(engines: dict, batches, call_s: float = 0.05, rounds: int = 5,
+               max_steps: int = 64) -> dict[str, float]:
     """Seconds per step of each engine on ``batches`` (an in-graph source or an iterator).
 
-    Each engine runs a traced warm-up call, then the engines take turns (``rounds`` calls of
-    ``steps`` steps each), and each keeps its fastest call: interleaving spreads the noise
-    of a shared machine over all of them, and the first one measured is not penalised.
+    Each engine runs a warm-up call (it traces), then a call of 2 steps that sizes the timed
+    calls: about ``call_s`` each (from 1 step for a slow model to ``max_steps`` for a tiny one,
+    whose calls of a few steps would time mostly noise). Then the engines take turns
+    (``rounds`` calls each), and each keeps its fastest call: interleaving spreads the
+    noise of a shared machine over all of them, and the first one measured is not
+    penalised. About ``2 * rounds * call_s`` per engine for a fast step.
     """
+    sizing = []
     for engine in engines.values():
+        engine.train(batches, 1)["loss"].numpy()
+        start = time.perf_counter()
         engine.train(batches, 2)["loss"].numpy()
+        sizing.append((time.perf_counter() - start) / 2)
+    steps = int(min(max(call_s / max(min(sizing), 1e-6), 1), max_steps))
     best = {name: float("inf") for name in engines}
     for _ in range(rounds):
         for name, engine in engines.items():

@@ -84,15 +84,18 @@ class Budget:
     deadline.
     """
 
-    def __init__(self, seconds: float, reserve: float = 0.0):
-        self.start = time.perf_counter()
+    def __init__(self, seconds: float, reserve: float = 0.0, already: float = 0.0):
+        self.start = time.perf_counter() - already  # ``already`` spent before this
         self.seconds = seconds
         self.reserve = reserve
         self.slowdown = 1.0
         self.skipped: list[str] = []
 
+    def used(self) -> float:
+        return time.perf_counter() - self.start
+
     def left(self) -> float:
-        return self.seconds - (time.perf_counter() - self.start)
+        return self.seconds - self.used()
 
     def observe(self, expected: float, took: float) -> None:
         self.slowdown = max(self.slowdown, took / max(expected, 1e-3))
@@ -525,7 +528,7 @@ def run(config, flag_args: list[str], budget_s: float, tune_dir: str, verify_n: 
     verified = [r for r in ranked if "measured" in r]
     if not verified:
         raise UsageError(f"--budget_s={budget_s:g} left no time to verify a candidate "
-                         f"(measuring took {budget.seconds - budget.left():.0f} s); raise it")
+                         f"(measuring took {budget.used():.0f} s); raise it")
     # A second round, fastest first, the user's flags too, as time allows: on a shared
     # machine one run can be unlucky (and a process's first runs are slower); each keeps
     # its best.
@@ -615,7 +618,7 @@ def _result(m, ranked, chosen, user, budget, keep_user: bool) -> dict:
         "vs_user": measured / user["measured"]["examples_per_sec"] if "measured" in user
         else None,
         "skipped": budget.skipped,
-        "seconds": round(budget.seconds - budget.left(), 1),
+        "seconds": round(budget.used(), 1),
         "budget_s": budget.seconds,
     }
 
@@ -784,8 +787,8 @@ def main(argv: list[str]) -> None:
                          f"--budget_s={MIN_BUDGET_S:.0f} or more (default 90)")
     if _MEASURE_TO.value:
         budget = Budget(_DEADLINE.value - time.time() if _DEADLINE.value else _BUDGET_S.value)
-    else:  # from here: building the config (device detection) counts too
-        budget = Budget(_BUDGET_S.value, reserve=FINISH_S)
+    else:  # the command's start (Python, TensorFlow's import) counts too
+        budget = Budget(_BUDGET_S.value, reserve=FINISH_S, already=_process_age())
     config = tfspeed_flags.to_config()
     tune_dir = _TUNE_DIR.value or os.path.join(config.model_dir, "tune")
     if _MEASURE_TO.value:
@@ -794,6 +797,18 @@ def main(argv: list[str]) -> None:
             json.dump({**m, "skipped": budget.skipped}, f)
         return
     run(config, list(_ARGS), _BUDGET_S.value, tune_dir, _VERIFY.value, budget)
+
+
+def _process_age() -> float:
+    """Seconds since this process started (Linux ``/proc``; 0 where unknown)."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return max(uptime - start_ticks / os.sysconf("SC_CLK_TCK"), 0.0)
+    except (OSError, ValueError, IndexError):
+        return 0.0
 
 
 _ARGS: list[str] = []
