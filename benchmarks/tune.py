@@ -14,7 +14,7 @@ cache, parse, input threads, precision, XLA, steps per execution 1 or the cost m
 each measured the way the tune verifies (a short real run of the driver, its steady-state
 median window). The best of many single noisy runs is inflated, so the grid's top 2, the
 user's flags and the tuned flags (measured again here, sharing the machine's state) then run
-in 3 interleaved rounds, and their medians are compared. Prints one JSON record: per workload
+in 3 interleaved rounds (each round in a rotated order), and their medians are compared. Prints one JSON record: per workload
 user / tuned / grid-best examples/s, tuned ÷ grid-best, tuned ÷ user, and the prediction
 error of the chosen candidate.
 """
@@ -135,8 +135,12 @@ def grid(workdir: str, name: str) -> dict:
     # planned for the slowest prediction would be shorter, and count its log points more.
     final_rate = tune.predict(cells[top[0]], m)["examples_per_sec"]
     rounds = {key: [] for key in finals}
+    order = list(finals)
     for r in range(ROUNDS):
-        for key, (cfg, c) in finals.items():
+        # Each round starts one further along: a process that has run many trainings runs
+        # later ones slower, and no finalist should always come last.
+        for key in order[r % len(order):] + order[:r % len(order)]:
+            cfg, c = finals[key]
             rounds[key].append(tune.verify(cfg, c, os.path.join(workdir, "grid", name,
                                                                 f"{key}-{r}"),
                                            plan(cfg, c, final_rate)))
