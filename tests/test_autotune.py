@@ -76,3 +76,12 @@ def test_precision_probe_calls_last_about_fifty_ms_and_take_turns(step_s, steps)
     assert {n for _, n in timed} == {steps}
     assert [s for s, _ in timed] == [step_s, step_s / 2] * 3  # interleaved, 3 rounds
     assert seconds["mixed_bfloat16"] < seconds["float32"]
+
+
+def test_precision_probe_calls_have_the_size_all_workers_agree_on():
+    # Multi-worker: each call holds collectives, so every worker must run the same steps.
+    # Locally 1 ms steps would make calls of 50; the workers' mean, 25 ms, makes them 2.
+    log = []
+    engines = {"float32": _Steps(1e-3, log), "mixed_bfloat16": _Steps(1e-3, log)}
+    autotune.time_steps(engines, None, call_s=0.05, rounds=1, agree=lambda step_s: 0.025)
+    assert [n for _, n in log[4:]] == [2, 2]

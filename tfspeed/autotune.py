@@ -84,7 +84,7 @@ def tune_steps_per_execution(run_call, remaining: int, per_epoch: int, agree=lam
 
 
 def time_steps(engines: dict, batches, call_s: float = 0.05, rounds: int = 5,
-               max_steps: int = 64) -> dict[str, float]:
+               max_steps: int = 64, agree=lambda value: value) -> dict[str, float]:
     """Seconds per step of each engine on ``batches`` (an in-graph source or an iterator).
 
     Each engine runs a warm-up call (it traces), then a call of 2 steps that sizes the timed
@@ -92,7 +92,9 @@ def time_steps(engines: dict, batches, call_s: float = 0.05, rounds: int = 5,
     whose calls of a few steps would time mostly noise). Then the engines take turns
     (``rounds`` calls each), and each keeps its fastest call: interleaving spreads the
     noise of a shared machine over all of them, and the first one measured is not
-    penalised. About ``2 * rounds * call_s`` per engine for a fast step.
+    penalised. About ``2 * rounds * call_s`` per engine for a fast step. ``agree`` makes
+    the call size the same on every worker of a multi-worker job (its calls hold
+    collectives: a worker running other step counts would wait forever).
     """
     sizing = []
     for engine in engines.values():
@@ -100,7 +102,8 @@ def time_steps(engines: dict, batches, call_s: float = 0.05, rounds: int = 5,
         start = time.perf_counter()
         engine.train(batches, 2)["loss"].numpy()
         sizing.append((time.perf_counter() - start) / 2)
-    steps = int(min(max(call_s / max(min(sizing), 1e-6), 1), max_steps))
+    step_s = float(agree(min(sizing)))
+    steps = int(min(max(call_s / max(step_s, 1e-6), 1), max_steps))
     best = {name: float("inf") for name in engines}
     for _ in range(rounds):
         for name, engine in engines.items():

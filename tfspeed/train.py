@@ -173,7 +173,8 @@ def _measure_precision(config: Config, rt, schema, inputs, input_shape):
         engines[policy] = trainer.make_engine(model, config.train, probe, data.batch_size,
                                               10**6, inputs.preprocess)
     seconds = {policy: rt.mean_over_workers(t)
-               for policy, t in autotune.time_steps(engines, source).items()}
+               for policy, t in autotune.time_steps(engines, source,
+                                                    agree=rt.mean_over_workers).items()}
     choice, why = autotune.choose_precision(rt.plan.precision, seconds)
     keras.mixed_precision.set_global_policy(choice)
     logging.info("--precision=%s", why)
