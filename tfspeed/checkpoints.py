@@ -24,8 +24,9 @@ from tfspeed.errors import UsageError
 def _damaged(error: Exception) -> bool:
     """Whether a restore failed on damaged files: DataLossError for a bad checksum, a plain
     OpError from TF's checkpoint reader (bad index, missing data file), IndexError for a
-    truncated data file. Not a checkpoint of another model, nor a resource problem."""
-    return (isinstance(error, (tf.errors.DataLossError, IndexError))
+    truncated data file, OutOfRangeError for a damaged length ("Read less bytes than
+    requested"). Not a checkpoint of another model, nor a resource problem."""
+    return (isinstance(error, (tf.errors.DataLossError, tf.errors.OutOfRangeError, IndexError))
             or type(error) is tf.errors.OpError)
 
 
