@@ -24,15 +24,30 @@ RECORDS, FEATURES = 96, 4
 class Server:
     """A ``python -m tfspeed.data_service`` process, with the address and server pid it printed."""
 
-    def __init__(self, *args: str):
+    def __init__(self, *args: str, wait: bool = True):
         env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
+        self.args = args
         self.process = subprocess.Popen(
             [sys.executable, "-m", "tfspeed.data_service", *args], cwd=REPO, env=env,
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        if wait:
+            self.ready()
+
+    def ready(self) -> Server:
+        """Waits for the line that says it serves."""
         line = self.process.stdout.readline()
         match = re.search(r"listening on (grpc://\S+).*\(pid (\d+)\)", line)
-        assert match, f"no ready line from data_service {args}: {line!r}"
+        assert match, f"no ready line from data_service {self.args}: {line!r}"
         self.address, self.server_pid = match.group(1), int(match.group(2))
+        return self
+
+    @classmethod
+    def workers(cls, dispatcher: Server, *ports: int, count: int = 0) -> list[Server]:
+        """Worker servers of ``dispatcher``, started together (each starts TensorFlow)."""
+        args = [[f"--port={port}"] for port in ports] or [[]] * count
+        started = [cls("worker", f"--dispatcher={dispatcher.address}", *extra, wait=False)
+                   for extra in args]
+        return [server.ready() for server in started]
 
     def stop(self) -> None:
         self.process.send_signal(signal.SIGTERM)
@@ -47,7 +62,7 @@ def cluster(tmp_path_factory):
     """A fault-tolerant dispatcher and two supervised workers."""
     work_dir = tmp_path_factory.mktemp("dispatcher")
     dispatcher = Server("dispatcher", "--port=0", f"--work_dir={work_dir}")
-    workers = [Server("worker", f"--dispatcher={dispatcher.address}") for _ in range(2)]
+    workers = Server.workers(dispatcher, count=2)
     yield dispatcher.address, workers
     for server in [*workers, dispatcher]:
         server.stop()
@@ -113,8 +128,7 @@ def test_file_sharding_splits_the_files_between_a_fixed_worker_list(numbered_dir
                         f"--worker_addresses={listed}")
     servers = [dispatcher]
     try:
-        servers += [Server("worker", f"--dispatcher={dispatcher.address}", f"--port={port}")
-                    for port in ports]
+        servers += Server.workers(dispatcher, *ports)
         rows = _first_epoch(numbered_dir, dispatcher.address, "file")
     finally:
         for server in reversed(servers):
@@ -226,7 +240,8 @@ def test_diagnose_measures_input_through_the_service(cluster, digits_dir, tmp_pa
         [sys.executable, "-m", "tfspeed.diagnose", f"--data_dir={digits_dir}",
          f"--model_dir={tmp_path}", "--model=mlp", "--width=16", "--batch_size=32",
          "--cache=none", f"--data_service={address}", "--diagnose_steps=10",
-         "--diagnose_warmup=2", "--steps_per_execution=1", "--eval_split="],
+         "--diagnose_warmup=2", "--steps_per_execution=1", "--eval_split=",
+         "--precision=float32"],
         cwd=REPO, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}, capture_output=True,
         text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
@@ -244,7 +259,7 @@ def test_two_training_workers_share_the_service_each_record_once(cluster, number
         [sys.executable, "-m", "tfspeed.launch", "--workers=2", "--",
          f"--data_dir={numbered_dir}", f"--model_dir={model_dir}", "--model=mlp", "--width=8",
          "--batch_size=8", "--train_steps=40", "--steps_per_execution=2", "--cache=none",
-         "--eval_split=", f"--data_service={address}"],
+         "--eval_split=", "--precision=float32", f"--data_service={address}"],
         cwd=REPO, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}, capture_output=True,
         text=True, timeout=300)
     assert job.returncode == 0, job.stdout[-3000:]
@@ -281,8 +296,9 @@ def test_worker_killed_mid_epoch_training_finishes_and_reports_loss(cluster, dig
     train = subprocess.Popen(
         [sys.executable, "-m", "tfspeed.train", f"--data_dir={digits_dir}",
          f"--model_dir={model_dir}", "--model=mlp", "--width=16", "--batch_size=32",
-         "--train_steps=400", "--steps_per_execution=4", "--log_every=8", "--cache=none",
-         "--augment=flip", f"--data_service={address}", "--eval_split="],
+         "--train_steps=150", "--steps_per_execution=4", "--log_every=8", "--cache=none",
+         "--augment=flip", f"--data_service={address}", "--eval_split=",
+         "--precision=float32"],
         cwd=REPO, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"},
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines = []
@@ -295,7 +311,7 @@ def test_worker_killed_mid_epoch_training_finishes_and_reports_loss(cluster, dig
     lines += train.stdout.readlines()
     assert train.wait(timeout=300) == 0, "".join(lines[-20:])
     report = json.loads((model_dir / "report.json").read_text())
-    assert report["optimizer_updates"] == 400
+    assert report["optimizer_updates"] == 150
     counts = report["data_service"]["splits"]["train"]
     assert counts["duplicated"] == 0
     assert counts["delivered"] + counts["lost"] == counts["expected"]
