@@ -59,12 +59,26 @@ def test_candidates_cover_the_feasible_knobs_only():
 
 def test_verification_covers_each_input_setup_before_variants_of_one():
     m = _measurements()
-    ranked = sorted(({"candidate": c, **tune.predict(c, m)} for c in tune.candidates(m)),
-                    key=lambda r: -r["examples_per_sec"])
-    picked = [r["candidate"] for r in tune._to_verify(ranked, 3)]
+    picked = [r["candidate"] for r in tune._to_verify(tune.rank(m), 3)]
     assert {(c.input_placement, c.cache) for c in picked} == {("device", "none"),
                                                               ("host", "memory"),
                                                               ("host", "none")}
+
+
+def test_where_predictions_tie_fewer_input_threads_rank_first():
+    m = _measurements()
+    warm = [r for r in tune.rank(m) if r["candidate"].cache == "memory"
+            and r["candidate"].steps_per_execution == 32]
+    # The step bounds both thread counts (i = 0.4 ms per batch): a tie, one thread first.
+    assert warm[0]["examples_per_sec"] == warm[1]["examples_per_sec"]
+    assert [r["candidate"].input_threads for r in warm] == [1, 0]
+    # Decoding every epoch, the input bounds one thread: all cores rank first.
+    cold = [r["candidate"].input_threads for r in tune.rank(m)
+            if r["candidate"].cache == "none" and r["candidate"].input_placement == "host"
+            and r["candidate"].steps_per_execution == 32]
+    assert cold == [0, 1]
+    picked = [r["candidate"] for r in tune._to_verify(tune.rank(m), 3)]
+    assert C("host", "memory", "batched", 1, "float32", "off", 32) in picked
 
 
 def test_a_verification_run_fills_a_cache_first_and_times_about_three_seconds():
