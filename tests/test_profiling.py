@@ -56,3 +56,20 @@ def test_summary_lines_read_plainly():
     assert lines[0] == "profile (9 steps): 10.0 ms/step, 7.5 ms (75%) waiting for input"
     assert "HIGHLY input-bound" in lines[1] and "Iterator::Root::Map: 80%" in lines[2]
     assert profiling.summary_lines({}) == ["profile: nothing captured"]
+
+
+def test_the_meter_keeps_tracing_its_scalar_write_out_of_the_next_window(tmp_path):
+    import time
+
+    from tfspeed.callbacks import ThroughputMeter
+
+    meter = ThroughputMeter(32, str(tmp_path))
+    start = time.perf_counter()
+    meter.tick(10, 10)  # the first write traces its function (tens of ms)
+    first_end = time.perf_counter()
+    meter.tick(10, 20)  # the same names: no tracing
+    second_end = time.perf_counter()
+    window = meter.windows[1][1]
+    # The second window starts after the first write, not before it.
+    assert window <= second_end - first_end < window + 0.5 * (first_end - start)
+    assert len(list(tmp_path.glob("events.out.tfevents.*"))) == 1
