@@ -10,7 +10,10 @@ Every figure comes from a separate process (so peak RSS is its own), in one run:
           metrics (float32 and mixed_bfloat16, the faster counts; its best of 7 epochs,
           and its median epoch, the statistic the job reports over its windows). Also the engine's
           bookkeeping (metrics, wait meter, loss-scale and accumulation state) against that
-          bare loop: the engine on the same in-graph data, one epoch per call.
+          bare loop: the engine on the same in-graph data, one epoch per call. The ceiling
+          runs with TensorFlow's default threads (as filed), and again with one intra-op
+          thread, what the job's --intra_op_threads=auto picks for this tiny step: like
+          for like.
   cnn:    the digits main job itself (pipelines/digits.flags, unchanged): input wait.
   cnn32:  the small CNN on 32x32 crops of real photographs: plain fit vs tfspeed auto.
   accum:  tfspeed with --grad_accum_steps=4 vs 1 at the same micro-batch (cnn32).
@@ -176,7 +179,8 @@ def run_job(args: list[str], model_dir: str) -> dict:
             "precision": report["runtime"]["precision"],
             "precision_reason": report["runtime"]["reasons"]["precision"],
             "steps_per_execution": report["steps_per_execution"],
-            "placement": report["input"]["placement"]["where"]}
+            "placement": report["input"]["placement"]["where"],
+            "intra_op_threads": report["runtime"]["intra_op_threads"]}
 
 
 def run_variant(name: str) -> dict:
@@ -189,7 +193,11 @@ def run_variant(name: str) -> dict:
     case, _, variant = name.partition("/")
     if case == "mlp" and variant == "fit":
         figures = run_fit(dirs["digits"], "mlp", 32, 20)
-    elif case == "mlp" and variant == "ceiling":
+    elif case == "mlp" and variant.startswith("ceiling"):
+        if variant == "ceiling_1thread":
+            import tensorflow as tf
+
+            tf.config.threading.set_intra_op_parallelism_threads(1)  # before any op runs
         figures = run_ceiling(dirs["digits"], 32)
     elif case == "mlp":
         figures = run_job([*MLP_JOB, f"--data_dir={dirs['digits']}"], os.path.join(runs, "mlp"))
@@ -248,7 +256,7 @@ def main(argv):
 
     os.makedirs(_WORKDIR.value, exist_ok=True)
     prepare(_WORKDIR.value)
-    names = ["mlp/job", "mlp/fit", "mlp/ceiling", "cnn/job", "cnn32/fit", "cnn32/tfspeed",
+    names = ["mlp/job", "mlp/fit", "mlp/ceiling", "mlp/ceiling_1thread", "cnn/job", "cnn32/fit", "cnn32/tfspeed",
              "accum/k1", "accum/k4", "remat/plain", "remat/remat"]
     runs: dict[str, list[dict]] = {name: [] for name in names}
     for _ in range(_REPEATS.value):  # rounds over all variants: the machine's noise spreads
@@ -262,6 +270,11 @@ def main(argv):
         # Like for like: the job reports the median of its windows, the ceiling above its
         # best epoch; here the ceiling's median epoch.
         "mlp job/ceiling median epoch": eps["mlp/job"] / ceiling["median_examples_per_sec"],
+        # The job runs its ops on one thread each (--intra_op_threads=auto): the same here.
+        "mlp job/ceiling with one intra-op thread": (
+            eps["mlp/job"] / eps["mlp/ceiling_1thread"]),
+        "mlp job/ceiling with one intra-op thread, median epoch": (
+            eps["mlp/job"] / figures["mlp/ceiling_1thread"]["median_examples_per_sec"]),
         "mlp job/fit": eps["mlp/job"] / eps["mlp/fit"],
         "mlp engine/bare loop float32 (bookkeeping)": (ceiling["engine_float32"]
                                                        / ceiling["ceiling_float32"]),
@@ -272,7 +285,8 @@ def main(argv):
         "remat throughput remat/plain": eps["remat/remat"] / eps["remat/plain"],
     }
     config = {"mlp_job": " ".join(MLP_JOB), "repeats": _REPEATS.value,
-              "auto_chose_mlp": [(run["steps_per_execution"]["value"], run["precision"])
+              "auto_chose_mlp": [(run["steps_per_execution"]["value"], run["precision"],
+                                  run["intra_op_threads"])
                                  for run in runs["mlp/job"]],
               "auto_chose_cnn": [(run["steps_per_execution"]["value"], run["precision"])
                                  for run in runs["cnn/job"]],

@@ -6,6 +6,9 @@ import pytest
 from tfspeed.config import RuntimeConfig
 from tfspeed.errors import UsageError
 from tfspeed.runtime import Hardware, resolve
+from tfspeed.threads import AUTO as AUTO_THREADS
+from tfspeed.threads import choose as choose_threads
+from tfspeed.threads import forward_flops
 
 CPU_PLAIN = Hardware(cpu_flags=frozenset({"avx2", "fma"}))
 CPU_BF16 = Hardware(cpu_flags=frozenset({"avx2", "avx512_bf16"}))
@@ -66,3 +69,60 @@ def test_float16_on_a_cpu_is_refused_with_the_fix():
 def test_cpu_replicas_with_gpus_is_refused():
     with pytest.raises(UsageError, match="--cpu_replicas=2 .* 2 GPU"):
         resolve(RuntimeConfig(cpu_replicas=2), T4_PAIR)
+
+
+@pytest.mark.parametrize(
+    "requested, flops, gpus, threads, reason",
+    [
+        (AUTO_THREADS, 5.6e6, 0, 1, "auto: a small step (5.6 MFLOP"),
+        (AUTO_THREADS, 192e6, 0, 0, "auto: 192 MFLOP forward per replica step"),
+        (AUTO_THREADS, 5.6e6, 1, 0, "auto: the step runs on a GPU"),
+        (AUTO_THREADS, None, 0, 0, "auto: the model's size could not be counted"),
+        (0, 5.6e6, 0, 0, "--intra_op_threads=0: TF's default"),
+        (3, 192e6, 0, 3, "--intra_op_threads=3: 3 per op"),
+    ],
+    ids=["tiny-step", "big-step", "gpu", "uncounted", "explicit-default", "explicit"],
+)
+def test_intra_op_threads_choice(requested, flops, gpus, threads, reason):
+    chosen, why = choose_threads(requested, flops, gpus)
+    assert chosen == threads and why.startswith(reason)
+
+
+def test_forward_flops_counts_the_mlp_without_starting_tensorflow():
+    """The 256-256 MLP on 8x8 digits at batch 32: its three matmuls are 2·32·(64·256 +
+    256·256 + 256·10) FLOPs, plus bias adds; counted in a graph, so no op runs."""
+    from tfspeed import models
+    from tfspeed.config import ModelConfig
+
+    flops = forward_flops(lambda: models.build(ModelConfig(name="mlp"), (8, 8, 1), 10),
+                          (8, 8, 1), 32)
+    matmuls = 2 * 32 * (64 * 256 + 256 * 256 + 256 * 10)
+    assert matmuls <= flops <= 1.05 * matmuls
+    assert forward_flops(lambda: models.build(ModelConfig(name="cnn"), (8, 8, 1), 10),
+                         (8, 8, 1), 64) > 10 * flops
+
+
+def test_forward_flops_of_a_model_that_does_not_build_is_none():
+    def broken():
+        raise ValueError("no such layer")
+
+    assert forward_flops(broken, (8, 8, 1), 32) is None
+
+
+def test_threads_set_after_tensorflow_started_are_reported_not_applied():
+    """This test process has run ops already: the setting cannot change, and the report
+    says so instead of claiming it."""
+    import tensorflow as tf
+
+    from tfspeed.runtime import setup
+
+    tf.constant(1.0) + 1  # the runtime is running
+    rt = setup(RuntimeConfig(intra_op_threads=1), CPU_PLAIN)
+    assert rt.plan.intra_op_threads == tf.config.threading.get_intra_op_parallelism_threads()
+    assert rt.plan.intra_op_threads != 1
+    assert "not applied: TensorFlow had started" in rt.plan.reasons["intra_op_threads"]
+
+
+def test_negative_threads_are_a_usage_error():
+    with pytest.raises(UsageError, match="--intra_op_threads=-2 must be >= 0"):
+        RuntimeConfig(intra_op_threads=-2).validate()

@@ -40,6 +40,9 @@ def test_smoke_job_converts_the_demo_data_and_writes_a_report(tmp_path):
     assert 0 <= report["eval_accuracy"] <= 1 and report["eval_loss"] > 0
     assert report["config"]["train"]["train_steps"] == 6
     assert report["runtime"]["reasons"]["precision"]
+    # Converted first, then sized before TensorFlow started: a tiny MLP's ops on one thread.
+    assert report["runtime"]["intra_op_threads"] == 1
+    assert report["runtime"]["reasons"]["intra_op_threads"].startswith("auto: a small step")
     assert (model_dir / "model.keras").exists()
     assert list((model_dir / "logs" / "train").glob("events.out.tfevents.*"))
     assert "eval_accuracy=" in proc.stdout
@@ -86,6 +89,8 @@ def test_flag_errors_are_one_line_and_exit_2(argv, message, capsys):
         (["--model=vgg"], "--model='vgg' is not one of"),
         (["--augment=rotate"], "--augment='rotate'"),
         (["--learning_rate=0"], "--learning_rate=0.0 must be > 0"),
+        (["--intra_op_threads=many"], "--intra_op_threads='many' must be a number or 'auto'"),
+        (["--intra_op_threads=-1"], "--intra_op_threads=-1 must be >= 0"),
     ],
 )
 @flagsaver.flagsaver

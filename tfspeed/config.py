@@ -165,18 +165,24 @@ class RuntimeConfig:
         MirroredStrategy can run on a CPU-only machine.
       precision: ``auto``, ``float32``, ``mixed_float16`` or ``mixed_bfloat16``.
       xla: ``auto``, ``on`` or ``off``: XLA-compile the per-replica forward+backward.
+      intra_op_threads: threads one op may split its work over; 0: TF's default (one per
+        core); -1 (``tfspeed.threads.AUTO``): one for a tiny model's step, else the default.
     """
 
     strategy: str = "default"
     cpu_replicas: int = 0
     precision: str = "float32"
     xla: str = "off"
+    intra_op_threads: int = 0
 
     def validate(self) -> RuntimeConfig:
         _choice("strategy", self.strategy, STRATEGIES)
         _choice("precision", self.precision, ("auto", "float32", "mixed_float16", "mixed_bfloat16"))
         _choice("xla", self.xla, ("auto", "on", "off"))
         _non_negative("cpu_replicas", self.cpu_replicas)
+        if self.intra_op_threads < -1:
+            raise UsageError(f"--intra_op_threads={self.intra_op_threads} must be >= 0 "
+                             "(0: one per core) or 'auto'")
         return self
 
 

@@ -85,6 +85,11 @@ _PRECISION = flags.DEFINE_enum(
     "Keras precision policy; auto picks from the hardware.")
 _XLA = flags.DEFINE_enum("xla", "auto", ["auto", "on", "off"],
                          "XLA-compile the per-replica step; auto: on for GPU/TPU, off on CPU.")
+_INTRA_OP_THREADS = flags.DEFINE_string(
+    "intra_op_threads", "auto",
+    "Threads one op may split its work over: N, 0 for TF's default (one per core), or auto "
+    "(one for a tiny model's step on a CPU host, where handing work between cores costs "
+    "more than it saves; else the default).")
 
 # Training.
 _MODEL_DIR = flags.DEFINE_string("model_dir", None, "Where logs, checkpoints, the model and report.json go.")
@@ -173,7 +178,8 @@ def to_config() -> Config:
     model = ModelConfig(name=_MODEL.value, width=_WIDTH.value, dropout=_DROPOUT.value,
                         remat=_REMAT.value)
     runtime = RuntimeConfig(strategy=_STRATEGY.value, cpu_replicas=_CPU_REPLICAS.value,
-                            precision=_PRECISION.value, xla=_XLA.value)
+                            precision=_PRECISION.value, xla=_XLA.value,
+                            intra_op_threads=_intra_op_threads(_INTRA_OP_THREADS.value))
     train = TrainConfig(
         epochs=_EPOCHS.value,
         train_steps=_TRAIN_STEPS.value,
@@ -214,6 +220,21 @@ def _steps_per_execution(value: str) -> int:
     if steps < 1:
         raise UsageError(f"--steps_per_execution={steps} must be >= 1 (or 'auto')")
     return steps
+
+
+def _intra_op_threads(value: str) -> int:
+    """'auto' -> ``threads.AUTO``; otherwise a non-negative integer."""
+    from tfspeed import threads
+
+    if value == "auto":
+        return threads.AUTO
+    try:
+        count = int(value)
+    except ValueError:
+        raise UsageError(f"--intra_op_threads={value!r} must be a number or 'auto'") from None
+    if count < 0:
+        raise UsageError(f"--intra_op_threads={count} must be >= 0 (0: one per core) or 'auto'")
+    return count
 
 
 def diagnose_options() -> tuple[int, int]:

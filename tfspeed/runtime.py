@@ -12,6 +12,7 @@ import dataclasses
 import functools
 import json
 import os
+from collections.abc import Callable
 
 from absl import logging
 
@@ -58,6 +59,7 @@ class Plan:
       xla: XLA-compile the per-replica step.
       gpu_memory_growth: allocate GPU memory as needed instead of all at start.
       reasons: one sentence per choice.
+      intra_op_threads: threads one op may use (0: TF's default); set by ``setup``.
     """
 
     strategy: str
@@ -67,6 +69,7 @@ class Plan:
     xla: bool
     gpu_memory_growth: bool
     reasons: dict[str, str]
+    intra_op_threads: int = 0
 
 
 def detect_hardware() -> Hardware:
@@ -257,6 +260,7 @@ class Runtime:
             "precision": self.plan.precision,
             "loss_scale": self.plan.loss_scale,
             "xla": self.plan.xla,
+            "intra_op_threads": self.plan.intra_op_threads,
             "reasons": dict(self.plan.reasons),
         }
 
@@ -268,17 +272,26 @@ def _devices(strategy) -> list[str]:
         return []
 
 
-def setup(config: RuntimeConfig, hw: Hardware | None = None) -> Runtime:
-    """Resolves ``config`` for this machine, configures devices and the precision policy.
+def setup(config: RuntimeConfig, hw: Hardware | None = None,
+          forward_flops: Callable[[int], float | None] | None = None) -> Runtime:
+    """Resolves ``config`` for this machine, configures devices, threads and the precision
+    policy.
 
-    Must run before TensorFlow executes any op when ``cpu_replicas`` or GPU memory growth
-    apply (device configuration is fixed once the runtime starts).
+    Must run before TensorFlow executes any op when ``cpu_replicas``, GPU memory growth or
+    intra-op threads apply (they are fixed once the runtime starts).
+
+    Args:
+      config: the runtime flags.
+      hw: this machine (detected if None).
+      forward_flops: replicas -> the model's forward FLOPs per replica step (None if
+        unknown), for ``--intra_op_threads=auto``; called before TensorFlow starts.
     """
     import keras
     import tensorflow as tf
 
     hw = hw or detect_hardware()
     plan = resolve(config, hw)
+    plan = _with_threads(plan, config, hw, forward_flops)
     if plan.gpu_memory_growth:
         for gpu in tf.config.list_physical_devices("GPU"):
             _configure(lambda g=gpu: tf.config.experimental.set_memory_growth(g, True),
@@ -287,6 +300,27 @@ def setup(config: RuntimeConfig, hw: Hardware | None = None) -> Runtime:
         split_cpu(plan.cpu_replicas)
     keras.mixed_precision.set_global_policy(plan.precision)
     return Runtime(strategy=_make_strategy(plan), plan=plan)
+
+
+def _with_threads(plan: Plan, config: RuntimeConfig, hw: Hardware, forward_flops) -> Plan:
+    """``plan`` with the intra-op threads chosen (``tfspeed.threads``) and set."""
+    from tfspeed import threads
+
+    flops = None
+    if config.intra_op_threads == threads.AUTO and forward_flops and not hw.gpus:
+        flops = forward_flops(_replicas_before_strategy(plan))
+    count, why = threads.choose(config.intra_op_threads, flops, len(hw.gpus))
+    applied = threads.apply(count)
+    if applied != count:
+        why += f" (not applied: TensorFlow had started; {applied or 'its default'} in force)"
+    return dataclasses.replace(plan, intra_op_threads=applied,
+                               reasons={**plan.reasons, "intra_op_threads": why})
+
+
+def _replicas_before_strategy(plan: Plan) -> int:
+    """Replicas a global batch is split over, as known before the strategy exists (on a
+    host without GPUs: the CPU replicas, or one)."""
+    return max(plan.cpu_replicas, 1)
 
 
 def split_cpu(replicas: int) -> None:

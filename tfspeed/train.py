@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 import sys
 
@@ -71,17 +72,39 @@ def prepare(config: Config) -> Job:
     from tfspeed import runtime
 
     _make_dir(config.model_dir)
-    # Devices (logical CPUs, GPU memory growth) can only be configured before any op runs.
-    rt = runtime.setup(config.runtime)
     # Two runs writing one model_dir would overwrite each other's checkpoints, logs and
     # report. Only the chief writes there; the other workers lock their own directories.
-    lock = _lock_model_dir(config.model_dir) if rt.is_chief else None
+    alone = runtime.cluster_tasks() <= 1
+    lock = _lock_model_dir(config.model_dir) if alone else None
     try:
-        return _build(config, rt, lock)
+        # A single process converts first: --intra_op_threads=auto sizes the model from the
+        # schema, and converting starts no TensorFlow runtime. (A cluster's chief converts
+        # later: its strategy must exist before anything else touches TensorFlow.)
+        converted_s = _prepare_data(config) if alone else 0.0
+        # Devices (logical CPUs, GPU memory growth) and threads are fixed once an op runs.
+        rt = runtime.setup(config.runtime,
+                           forward_flops=functools.partial(_forward_flops, config))
+        if lock is None and rt.is_chief:
+            lock = _lock_model_dir(config.model_dir)
+        return _build(config, rt, lock, converted_s)
     except BaseException:
         if lock:
             lock.release()
         raise
+
+
+def _forward_flops(config: Config, replicas: int) -> float | None:
+    """The model's forward FLOPs per replica step (``tfspeed.threads``); None without data."""
+    from tfspeed import models, threads
+    from tfspeed.data import pipeline
+    from tfspeed.data import schema as schema_lib
+
+    if not os.path.exists(os.path.join(config.data.data_dir, schema_lib.SCHEMA_FILE)):
+        return None  # the real build reports the missing data
+    schema = schema_lib.read(config.data.data_dir)
+    shape = pipeline.input_shape(schema, config.data)
+    return threads.forward_flops(lambda: models.build(config.model, shape, schema.num_outputs),
+                                 shape, max(config.data.batch_size // replicas, 1))
 
 
 def _lock_model_dir(model_dir: str) -> locks.Lock:
@@ -89,15 +112,17 @@ def _lock_model_dir(model_dir: str) -> locks.Lock:
                          "wait for it to finish or stop it, or use another --model_dir")
 
 
-def _build(config: Config, rt, lock: locks.Lock | None) -> Job:
-    """``prepare`` once the runtime is set up and the run directory is ours."""
+def _build(config: Config, rt, lock: locks.Lock | None, converted_s: float = 0.0) -> Job:
+    """``prepare`` once the runtime is set up and the run directory is ours (``converted_s``:
+    seconds converting data already spent)."""
     import keras
 
     from tfspeed import models, objectives
     from tfspeed.data import job_input, pipeline
     from tfspeed.data import schema as schema_lib
 
-    prepare_seconds = _prepare_data(config) if rt.is_chief else _wait_for_data(config)
+    prepare_seconds = converted_s + (_prepare_data(config) if rt.is_chief
+                                     else _wait_for_data(config))
     schema = schema_lib.read(config.data.data_dir)
     data = config.data
     if data.data_service:
