@@ -20,8 +20,9 @@ the inter-op pool):
 The setting is process-wide and fixed once TensorFlow's runtime starts, so ``auto``
 decides before anything runs: it builds the model in a throwaway graph (building runs no
 op) and counts the forward pass's FLOPs per replica step with TensorFlow's profiler. Below
-``SMALL_STEP_FLOPS`` on a CPU-only host, one thread per op; otherwise TF's default.
-``python -m tfspeed.tune`` measures the choice instead of predicting it.
+``SMALL_STEP_FLOPS`` on a CPU-only host, one thread per op; otherwise TF's default. The
+threshold is this machine's crossover; on a host with many more cores it would move, and an
+explicit ``--intra_op_threads`` wins.
 """
 
 from __future__ import annotations
