@@ -17,6 +17,9 @@ REPO = Path(__file__).resolve().parents[1]
 # before any op runs in the test process.
 _cpus = tf.config.list_physical_devices("CPU")
 tf.config.set_logical_device_configuration(_cpus[0], [tf.config.LogicalDeviceConfiguration()] * 2)
+# Start the runtime now: otherwise the first driver run in this process would fix its threads
+# (--intra_op_threads=auto) for every test after it.
+tf.config.list_logical_devices("CPU")
 
 
 def write_photos(root: Path, classes: int = 3, per_class: int = 12, seed: int = 0) -> Path:

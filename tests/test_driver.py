@@ -56,7 +56,9 @@ def test_report_records_each_choice_with_its_reason(big_batch_report):
     runtime = big_batch_report["runtime"]
     assert runtime["precision"] == "float32" and runtime["xla"] is False
     assert runtime["reasons"] == {"strategy": "--strategy=default",
-                                  "precision": "--precision=float32", "xla": "--xla=off"}
+                                  "precision": "--precision=float32", "xla": "--xla=off",
+                                  "intra_op_threads": "--intra_op_threads=0: TF's default "
+                                                      "(one per core)"}
 
 
 def test_auto_settings_resolve_and_train(digits_dir, tmp_path):
