@@ -16,7 +16,11 @@ from tfspeed.data import ops
 from tfspeed.errors import UsageError
 
 DEFAULT_RAM_FRACTION = 0.5  # of the memory available when the run starts
-SHUFFLE_BUFFER_MB = 256  # cap on a shuffle buffer that holds copies (not cached references)
+# Cap on a shuffle buffer that holds copies (not cached references). Measured on 224 px raw
+# photos (150 KB records, 2 cores, cold): a buffer of 512 records (77 MB) ran ~7,000 img/s,
+# 890 ~6,000, 1,780 (the old 256 MB cap) 4,700; encoded JPEGs (31 KB) the same at 2,100
+# records as at 3,000. Records still come from all shards at once, their order shuffled.
+SHUFFLE_BUFFER_MB = 64
 _ELEMENT_OVERHEAD = 256  # bytes per cached element besides its data (tensor headers, label)
 
 
