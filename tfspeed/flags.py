@@ -211,29 +211,27 @@ def _int_list(flag: str, values: list[str]) -> tuple[int, ...]:
 
 def _steps_per_execution(value: str) -> int:
     """'auto' -> 0 (tuned while training); otherwise a positive integer."""
-    if value == "auto":
-        return 0
-    try:
-        steps = int(value)
-    except ValueError:
-        raise UsageError(f"--steps_per_execution={value!r} must be a number or 'auto'") from None
-    if steps < 1:
-        raise UsageError(f"--steps_per_execution={steps} must be >= 1 (or 'auto')")
-    return steps
+    return _count_or_auto("steps_per_execution", value, auto=0, minimum=1)
 
 
 def _intra_op_threads(value: str) -> int:
-    """'auto' -> ``threads.AUTO``; otherwise a non-negative integer."""
+    """'auto' -> ``threads.AUTO``; otherwise a non-negative integer (0: TF's default)."""
     from tfspeed import threads
 
+    return _count_or_auto("intra_op_threads", value, auto=threads.AUTO, minimum=0,
+                          rest=" (0: one per core) or 'auto'")
+
+
+def _count_or_auto(flag: str, value: str, auto: int, minimum: int,
+                   rest: str = " (or 'auto')") -> int:
     if value == "auto":
-        return threads.AUTO
+        return auto
     try:
         count = int(value)
     except ValueError:
-        raise UsageError(f"--intra_op_threads={value!r} must be a number or 'auto'") from None
-    if count < 0:
-        raise UsageError(f"--intra_op_threads={count} must be >= 0 (0: one per core) or 'auto'")
+        raise UsageError(f"--{flag}={value!r} must be a number or 'auto'") from None
+    if count < minimum:
+        raise UsageError(f"--{flag}={count} must be >= {minimum}{rest}")
     return count
 
 
