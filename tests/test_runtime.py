@@ -74,6 +74,7 @@ def test_cpu_replicas_with_gpus_is_refused():
 @pytest.mark.parametrize(
     "requested, flops, gpus, threads, reason",
     [
+        (AUTO_THREADS, 5.6e6, 0, 0, "auto: TF_NUM_INTRAOP_THREADS=4 is set"),
         (AUTO_THREADS, 5.6e6, 0, 1, "auto: a small step (5.6 MFLOP"),
         (AUTO_THREADS, 192e6, 0, 0, "auto: 192 MFLOP forward per replica step"),
         (AUTO_THREADS, 5.6e6, 1, 0, "auto: the step runs on a GPU"),
@@ -81,10 +82,11 @@ def test_cpu_replicas_with_gpus_is_refused():
         (0, 5.6e6, 0, 0, "--intra_op_threads=0: TF's default"),
         (3, 192e6, 0, 3, "--intra_op_threads=3: 3 per op"),
     ],
-    ids=["tiny-step", "big-step", "gpu", "uncounted", "explicit-default", "explicit"],
+    ids=["environment", "tiny-step", "big-step", "gpu", "uncounted", "explicit-default", "explicit"],
 )
 def test_intra_op_threads_choice(requested, flops, gpus, threads, reason):
-    chosen, why = choose_threads(requested, flops, gpus)
+    environ = "4" if "TF_NUM_INTRAOP_THREADS" in reason else None
+    chosen, why = choose_threads(requested, flops, gpus, environ)
     assert chosen == threads and why.startswith(reason)
 
 

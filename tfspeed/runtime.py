@@ -306,10 +306,10 @@ def _with_threads(plan: Plan, config: RuntimeConfig, hw: Hardware, forward_flops
     """``plan`` with the intra-op threads chosen (``tfspeed.threads``) and set."""
     from tfspeed import threads
 
-    flops = None
-    if config.intra_op_threads == threads.AUTO and forward_flops and not hw.gpus:
+    flops, environ = None, os.environ.get("TF_NUM_INTRAOP_THREADS")
+    if config.intra_op_threads == threads.AUTO and forward_flops and not (hw.gpus or environ):
         flops = forward_flops(_replicas_before_strategy(plan))
-    count, why = threads.choose(config.intra_op_threads, flops, len(hw.gpus))
+    count, why = threads.choose(config.intra_op_threads, flops, len(hw.gpus), environ)
     applied = threads.apply(count)
     if applied != count:
         why += f" (not applied: TensorFlow had started; {applied or 'its default'} in force)"

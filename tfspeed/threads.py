@@ -35,17 +35,22 @@ AUTO = -1  # RuntimeConfig.intra_op_threads: decide from the model's size
 SMALL_STEP_FLOPS = 16e6  # forward FLOPs per replica step under which one thread wins here
 
 
-def choose(requested: int, forward_flops: float | None, gpus: int) -> tuple[int, str]:
+def choose(requested: int, forward_flops: float | None, gpus: int,
+           environ: str | None = None) -> tuple[int, str]:
     """(intra-op threads to set, 0 for TF's default; the reason), a pure function.
 
     Args:
       requested: ``--intra_op_threads``: ``AUTO``, 0 (TF's default) or a count.
       forward_flops: the model's forward FLOPs per replica step, None if not counted.
       gpus: GPUs on this host (the step's ops run there, not on the CPU's threads).
+      environ: ``TF_NUM_INTRAOP_THREADS`` if set: TensorFlow's own setting, which ``auto``
+        leaves alone (an explicit flag still wins).
     """
     if requested != AUTO:
         what = "TF's default (one per core)" if requested == 0 else f"{requested} per op"
         return requested, f"--intra_op_threads={requested}: {what}"
+    if environ:
+        return 0, f"auto: TF_NUM_INTRAOP_THREADS={environ} is set; TensorFlow applies it"
     if gpus:
         return 0, "auto: the step runs on a GPU; TF's default for the host's ops"
     if forward_flops is None:
