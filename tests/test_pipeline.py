@@ -217,3 +217,12 @@ def test_random_resized_crop_trains_from_encoded_images(photos_dir):
     with pytest.raises(UsageError, match="random_resized_crop resizes its crop to --image_size"):
         tfspeed.data.build(photos_dir, "train", 4, training=True,
                            augment=("random_resized_crop",))
+
+
+def test_groups_of_big_records_hold_about_two_megabytes():
+    from tfspeed.data.reader import GROUP, MIN_GROUP, group_size
+
+    assert group_size(224 * 224 * 3) == 13  # raw 224 px photos: 150 KB each
+    assert group_size(31_000) == GROUP  # JPEGs: the most records per group
+    assert group_size(64) == GROUP  # the digits
+    assert group_size(50 << 20) == MIN_GROUP  # huge records: still a few per group

@@ -22,6 +22,7 @@ from tfspeed.data.plan import CachePlan, plan_cache  # noqa: F401 -- part of thi
 from tfspeed.data.reader import (  # noqa: F401 -- part of this module's API
     corruption_error,
     corruption_report,
+    group_size,
     reset_corruption_report,
     shard_reader,
     user_error,
@@ -136,8 +137,9 @@ def _records(config, schema, split, num_pipelines, pipeline_id, shuffle, determi
     parse_group, parse_one = ops.make_group_parser(schema) if parse else (None, None)
     check = (ops.make_label_check(schema.num_classes, _label_message(schema, config))
              if parse and schema.task == "classification" else None)
+    group = group_size(plan.record_bytes(config, schema, split, encoded=True))
     reader = shard_reader(config, parse_group, parse_one, check=check,
-                          remote=remote, per_record=config.parse == "single")
+                          remote=remote, per_record=config.parse == "single", group=group)
     # Parallel interleave: reads several shards at once, hiding per-file latency.
     ds = ds.interleave(reader, cycle_length=min(len(files), 16), num_parallel_calls=AUTOTUNE,
                        deterministic=deterministic)
