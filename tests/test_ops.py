@@ -172,6 +172,25 @@ def test_ratio_decoding_is_close_to_a_full_decode_then_resize(ratio):
     assert ops.ratio_for(400, 400 // ratio) == ratio and ops.ratio_for(400, 201) == 1
 
 
+def test_each_jpeg_is_decoded_at_its_own_ratio():
+    """With ``fit``, an image's header decides its ratio: the largest that leaves ``fit``
+    pixels on its shorter side. The pixels are exactly decode_jpeg's at that ratio."""
+    feature = Feature("image", "uint8", (None, None, 3), "jpeg")
+    op = ops.make_decode(feature, fit=50)
+    photo = _photo(400)
+    # (stored image, the ratio it allows): 400 // 8 = 50; 120 // 2 = 60 but 120 // 4 = 30.
+    for image, ratio in ((photo, 8), (photo[:120], 2), (photo[:80, :300], 1)):
+        element = {"inputs": tf.constant(_jpeg(image)), "label": tf.constant(0)}
+        eager, in_dataset = _eager_and_in_dataset(op, element)
+        expected = tf.io.decode_jpeg(element["inputs"], channels=3, ratio=ratio).numpy()
+        np.testing.assert_array_equal(eager["inputs"], expected)
+        np.testing.assert_array_equal(in_dataset["inputs"], expected)
+    # A floor of ratio 2 (the split's smallest image allows it) is kept for every image.
+    small = {"inputs": tf.constant(_jpeg(photo[:120])), "label": tf.constant(0)}
+    at_least_4 = ops.make_decode(feature, ratio=4, fit=50)(small)["inputs"]
+    assert at_least_4.shape == (30, 100, 3)
+
+
 def test_group_parse_drops_a_bad_payload_alone(digits_dir):
     from tfspeed.data import schema as schema_lib
 

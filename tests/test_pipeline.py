@@ -13,7 +13,7 @@ from sklearn.datasets import load_digits
 
 import tfspeed.data
 from tfspeed.config import DataConfig
-from tfspeed.data import pipeline
+from tfspeed.data import ops, pipeline
 from tfspeed.data import schema as schema_lib
 from tfspeed.errors import UsageError
 
@@ -206,6 +206,26 @@ def test_cold_and_cached_pipelines_give_the_same_pixels(photos_dir, tmp_path):
     cached = _all(tfspeed.data.build(photos_dir, "train", 8, cache="memory", **options))
     np.testing.assert_allclose(cold[0], cached[0], atol=0.5 / 255 + 1e-6)
     np.testing.assert_array_equal(cold[1], cached[1])
+
+
+def test_mixed_size_jpegs_are_each_decoded_at_their_own_ratio(photos_dir):
+    """The photos are 20-40 px a side: at 13 px the smallest allow no ratio, those with both
+    sides >= 26 allow 2 (none allows 4). Every image comes out as decode_jpeg at its own
+    ratio, resized."""
+    schema = schema_lib.read(photos_dir)
+    parse_one = ops.make_group_parser(schema)[1]
+    records = tf.data.TFRecordDataset(schema.shard_paths(photos_dir, "validation"))
+    expected, ratios = [], []
+    for record in records:
+        jpeg = parse_one(record)["inputs"]
+        short_side = int(min(tf.io.extract_jpeg_shape(jpeg)[:2]))
+        ratios.append(2 if short_side >= 26 else 1)
+        image = tf.io.decode_jpeg(jpeg, channels=3, ratio=ratios[-1])
+        expected.append(tf.image.resize(image, [13, 13]).numpy() / 255)
+    assert set(ratios) == {1, 2}
+    got = _all(tfspeed.data.build(photos_dir, "validation", 64, image_size=13, cache="none",
+                                  deterministic=True, shuffle=False))
+    np.testing.assert_allclose(got[0], np.stack(expected), atol=1e-6)
 
 
 def test_random_resized_crop_trains_from_encoded_images(photos_dir):

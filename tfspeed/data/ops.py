@@ -99,13 +99,17 @@ def ratio_for(min_side: int, size: int) -> int:
     return next((r for r in RATIOS if min_side // r >= size), 1)
 
 
-def make_decode(feature: Feature, key: str | None = "inputs", ratio: int = 1) -> Op:
+def make_decode(feature: Feature, key: str | None = "inputs", ratio: int = 1,
+                fit: int = 0) -> Op:
     """Decodes ``feature`` as stored by the converter into a dense tensor.
 
     JPEG uses ``decode_jpeg`` (libjpeg-turbo, much faster than PIL), at ``ratio`` (a
-    downscale in the DCT domain: less work for images much larger than the training size);
-    raw bytes use ``decode_raw`` (also on a batch of records); ``float``/``int`` features
-    are dense already. With ``key=None`` the op maps a value, not an element.
+    downscale in the DCT domain: less work for images much larger than the training size).
+    With ``fit=N`` each JPEG is decoded at the largest ratio (at least ``ratio``) that still
+    leaves N pixels on its shorter side, read from its header: in a split of mixed sizes the
+    large images are decoded small even though the smallest ones allow no ratio. Raw bytes
+    use ``decode_raw`` (also on a batch of records); ``float``/``int`` features are dense
+    already. With ``key=None`` the op maps a value, not an element.
     """
     dtype = _TF_DTYPES[feature.dtype]
     shape = list(feature.shape)
@@ -113,7 +117,7 @@ def make_decode(feature: Feature, key: str | None = "inputs", ratio: int = 1) ->
 
     def decode_value(value):
         if feature.encoding == "jpeg":
-            value = tf.io.decode_jpeg(value, channels=channels, ratio=ratio)
+            value = _decode_jpeg(value, channels, ratio, fit)
         elif feature.encoding == "png":
             value = tf.io.decode_png(value, channels=channels)
         elif feature.encoding == "raw":
@@ -122,12 +126,28 @@ def make_decode(feature: Feature, key: str | None = "inputs", ratio: int = 1) ->
         else:
             value = tf.cast(value, dtype)
         if feature.is_image:
-            value = tf.ensure_shape(value, [None, None, channels] if ratio > 1 else shape)
+            value = tf.ensure_shape(value, [None, None, channels] if ratio > 1 or fit
+                                    else shape)
         return value
 
     if key is None:
         return decode_value
     return lambda element: {**element, key: decode_value(element[key])}
+
+
+def _decode_jpeg(value: tf.Tensor, channels: int, ratio: int, fit: int) -> tf.Tensor:
+    """``decode_jpeg`` at ``ratio``, or with ``fit`` at each image's own largest ratio."""
+    larger = [r for r in RATIOS if r > ratio]
+    if not fit or not larger:
+        return tf.io.decode_jpeg(value, channels=channels, ratio=ratio)
+    short_side = tf.reduce_min(tf.io.extract_jpeg_shape(value)[:2])
+
+    def at(r):
+        return lambda: tf.io.decode_jpeg(value, channels=channels, ratio=r)
+
+    # The first true condition wins: RATIOS run from the largest down.
+    return tf.case([(short_side // r >= fit, at(r)) for r in larger], default=at(ratio),
+                   exclusive=False)
 
 
 def make_resize(size: int, key: str = "inputs", keep_uint8: bool = True) -> Op:

@@ -110,25 +110,30 @@ def plan_steps(config: DataConfig, schema, split: str, training: bool,
 
 
 def _decode(feature, config, schema, split, keep_uint8: bool):
-    """Decode (at a reduced JPEG ratio where every image allows it) and resize, or None."""
-    ratio = 1
-    if feature.encoding == "jpeg":
-        ratio = ops.ratio_for(_min_side(schema, split), config.image_size)
+    """Decode (at a reduced JPEG ratio where the images allow it) and resize, or None."""
+    ratio, fit = 1, 0
+    if feature.encoding == "jpeg" and config.image_size:
+        shortest, longest = _sides(schema, split)
+        ratio = ops.ratio_for(shortest, config.image_size)
+        # Some images may allow more than the smallest one does: each is then decoded at
+        # its own ratio (its header read first). Sides unknown (an older schema): the same.
+        if not longest or ops.ratio_for(longest, config.image_size) > ratio:
+            fit = config.image_size
     resize = bool(config.image_size) and (
-        ratio > 1 or tuple(feature.shape[:2]) != (config.image_size,) * 2)
+        ratio > 1 or fit or tuple(feature.shape[:2]) != (config.image_size,) * 2)
     if not feature.is_image and not resize:
         return None
-    steps = [ops.make_decode(feature, ratio=ratio)] if feature.is_image else []
+    steps = [ops.make_decode(feature, ratio=ratio, fit=fit)] if feature.is_image else []
     if resize:
         steps.append(ops.make_resize(config.image_size, keep_uint8=keep_uint8))
     return ops.compose(steps)
 
 
-def _min_side(schema, split) -> int:
-    """The shorter side of the split's smallest stored image (0 if the converter did not
-    record it)."""
-    sides = schema.split(split).image_sides  # (shortest short side, longest long side)
-    return int(sides[0]) if sides else 0
+def _sides(schema, split) -> tuple[int, int]:
+    """The split's shortest short side and longest long side of a stored image ((0, 0) if
+    the converter did not record them)."""
+    sides = schema.split(split).image_sides
+    return (int(sides[0]), int(sides[1])) if sides else (0, 0)
 
 
 def _augment(feature, config, names, keep_uint8: bool):
