@@ -84,6 +84,18 @@ def test_resize_keeps_uint8_and_gives_the_size():
     assert (ops.make_resize(4)(constant)["inputs"].numpy() == 77).all()
 
 
+def test_float_resize_gives_the_peers_pixels_exactly():
+    """The resize casts to float32 first (cheaper for TF's kernel): the same pixels as
+    ``tf.image.resize`` of the uint8 image, the TF guide's way, to the last bit."""
+    photo = tf.io.decode_jpeg(_jpeg(RNG.integers(0, 256, (37, 53, 3), dtype=np.uint8)))
+    expected = tf.image.resize(photo, [16, 16]).numpy()
+    element = {"inputs": photo, "label": tf.constant(1)}
+    eager, in_dataset = _eager_and_in_dataset(ops.make_resize(16, keep_uint8=False), element)
+    for out in (eager, in_dataset):
+        assert out["inputs"].dtype == np.float32
+        np.testing.assert_array_equal(out["inputs"], expected)
+
+
 @pytest.mark.parametrize("name", ["flip", "crop"])
 def test_random_ops_are_reproducible_from_the_seed(name):
     op = ops.OPS[name][1]()
