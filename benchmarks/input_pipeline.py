@@ -47,7 +47,7 @@ from tfspeed.data import DataConfig, build, build_from_config  # noqa: E402
 _IMAGES = flags.DEFINE_integer("images", 3000, "Photos to cut from the sample photographs.")
 _CLASSES = flags.DEFINE_integer("classes", 4, "Class folders.")
 _WORKDIR = flags.DEFINE_string("workdir", "/tmp/tfspeed-bench", "Images, shards and caches.")
-_ROUNDS = flags.DEFINE_integer("rounds", 2, "Rounds over all pipelines (a process each).")
+_ROUNDS = flags.DEFINE_integer("rounds", 3, "Rounds over all pipelines (a process each) and conversions.")
 _EPOCHS = flags.DEFINE_integer("epochs", 3, "Timed epochs per pipeline and round.")
 _PIPELINE = flags.DEFINE_string("pipeline", "", "Internal: time this pipeline alone.")
 
@@ -176,7 +176,7 @@ PIPELINES = ("peer_files", "peer_tfrecord", "limit_decode_resize", "limit_decode
              "bare_memory_float32", "tfspeed_warm_uint8", "bare_memory_uint8")
 
 
-def conversions(root: str, photos: str, rounds: int = 2) -> dict:
+def conversions(root: str, photos: str, rounds: int) -> dict:
     """The converter's command line, as users run it: the default conversion (JPEG at rest)
     and the 224-px storage one with --workers=1 and with the default workers, those two in
     ``rounds`` interleaved rounds (the faster of each counts)."""
@@ -214,7 +214,7 @@ def main(argv):
         ds, warm_epochs = pipeline(_PIPELINE.value, root, items)
         print("RESULT " + json.dumps(time_epochs(ds, batches, _EPOCHS.value, warm_epochs)))
         return
-    converted = conversions(root, photos)
+    converted = conversions(root, photos, _ROUNDS.value)
     figures = {name: {"epochs_images_per_sec": [], "epochs_cpu_ms_per_image": [],
                       "peak_rss_mb": 0.0} for name in PIPELINES}
     for _ in range(_ROUNDS.value):  # rounds of all pipelines: the machine's noise spreads
