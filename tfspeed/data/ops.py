@@ -154,9 +154,9 @@ def resize_bilinear(image: tf.Tensor, size: int) -> tf.Tensor:
     """``tf.image.resize(image, [size, size])``, the same float32 pixels for less work.
 
     TF's bilinear kernel reads uint8 input more slowly than float32: on 256-512 px photos
-    resized to 224 it costs ~0.35 CPU-ms per image on uint8 and ~0.2 ms on float32, the
-    cast included (a decode takes ~0.57 ms). The results are bit-identical (the kernel
-    interpolates in float32 either way).
+    resized to 224 it costs ~0.27 CPU-ms per image on uint8 and ~0.16 ms on float32, the
+    cast included, next to a ~0.50 ms decode (``benchmarks/decode_ops.py``). The results are
+    bit-identical (the kernel interpolates in float32 either way).
     """
     return tf.image.resize(tf.cast(image, tf.float32), [size, size], method="bilinear")
 
