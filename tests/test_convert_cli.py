@@ -191,6 +191,32 @@ def test_help_lists_the_flags(capsys):
     status, out, _ = _run(capsys, "--help")
     assert status == 0 and "--source" in out and "--target_shard_mb" in out
 
+def test_command_line_forks_its_workers_and_writes_what_one_worker_writes(tmp_path):
+    """The command line imports no TensorFlow, so its workers are forked (ready at once);
+    a process that imported TensorFlow, like this one, spawns them. Either way the bytes
+    are those of a single writer."""
+    probe = "from tfspeed.convert import pool; print(pool.start_method())"
+    methods = {
+        imports: subprocess.run([sys.executable, "-c", imports + probe], capture_output=True,
+                                text=True, check=True).stdout.strip()
+        for imports in ("", "import tensorflow; ")
+    }
+    assert methods == {"": "fork", "import tensorflow; ": "spawn"}
+
+    forked = _script("--source=digits", f"--output={tmp_path / 'two'}", "--shards=4",
+                     "--workers=2", "--noprogress")
+    out, err = forked.communicate(timeout=120)
+    assert forked.returncode == 0, err
+    assert "1797 records" in out
+    convert("digits", str(tmp_path / "one"), shards=4, workers=1)
+    shards = sorted(p.name for p in (tmp_path / "one").glob("*.tfrecord"))
+    assert len(shards) > 4  # train and validation
+    for name in shards:
+        assert (tmp_path / "two" / name).read_bytes() == (tmp_path / "one" / name).read_bytes()
+    schemas = [json.loads((tmp_path / d / "schema.json").read_text()) for d in ("one", "two")]
+    assert schemas[0]["fingerprint"] == schemas[1]["fingerprint"]
+
+
 
 # ---------------------------------------------------------------- real interruption
 

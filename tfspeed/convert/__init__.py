@@ -7,7 +7,7 @@
   cli.py        its command line (scripts/to_tfrecord.py, tfspeed-convert)
   runners.py    who writes the shards: this machine (a process pool) or an Apache Beam pipeline
   writer.py     shard counts and tasks, atomic shard writing
-  pool.py       many shards at once: this process and spawned workers
+  pool.py       many shards at once: this process and forked or spawned workers
   plan.py       the conversion's state on disk (the plan), what makes it resumable
   storage.py    how images are stored (--image_format=auto measures it)
   example.py    tf.train.Example records without TensorFlow

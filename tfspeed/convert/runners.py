@@ -1,7 +1,7 @@
 """Runners: who writes a conversion's shards. The "what" (the shard tasks, their chunks and
 `writer.write_shard`) is shared; a runner only decides where the writing happens.
 
-  LocalRunner  this process, with workers - 1 spawned processes beside it: the default
+  LocalRunner  this process, with workers - 1 worker processes beside it: the default
   BeamRunner   an Apache Beam pipeline: the DirectRunner on this machine, or Dataflow, Flink or
                Spark, chosen by Beam's own options (``--beam_options="--runner=FlinkRunner ..."``)
 
@@ -84,7 +84,7 @@ def make_runner(name: str, *, workers: int = 1, beam_options: str = "") -> Runne
 
 @dataclasses.dataclass
 class LocalRunner:
-    """Writes with ``workers`` writers: this process and ``workers - 1`` spawned processes."""
+    """Writes with ``workers`` writers: this process and ``workers - 1`` worker processes."""
 
     workers: int = 1
     pool: concurrent.futures.Executor | None = dataclasses.field(
@@ -93,7 +93,7 @@ class LocalRunner:
 
     @contextlib.contextmanager
     def started(self, expected_tasks: int) -> Iterator[None]:
-        """Starts the spawned processes now (up to ``expected_tasks`` of them), so that their
+        """Starts the worker processes now (up to ``expected_tasks`` of them), so that their
         start-up overlaps with listing the source; stops them when the block ends."""
         helpers = self.workers - 1  # this process writes shards too
         pool = pool_lib.start_pool(helpers, min(helpers, expected_tasks)) if helpers else None
