@@ -143,6 +143,7 @@ def _records(config, schema, split, num_pipelines, pipeline_id, shuffle, determi
     # Parallel interleave: reads several shards at once, hiding per-file latency.
     ds = ds.interleave(reader, cycle_length=min(len(files), 16), num_parallel_calls=AUTOTUNE,
                        deterministic=deterministic)
+    ds = ds.unbatch()  # after the interleave: its threads hand over groups, not records
     if num_pipelines > 1 and not shard_by_file:
         ds = ds.shard(num_pipelines, pipeline_id)  # fewer files than pipelines: shard records
     return ds

@@ -8,10 +8,13 @@ bad payload costs that record alone.
 
 The hot path is sacred: on this 2-core machine every per-record ``map`` or ``scan`` with a
 function costs ~40 µs, as much as a third of a photo's decode. So records move in groups
-of up to ``GROUP`` (and ``GROUP_BYTES``) through everything here: one vectorised ``parse_example`` per group (with a
-per-record fallback only for a group that fails to parse), one counting ``scan`` step per
-group, then ``unbatch``. Read alone, this runs at the speed of a bare ``TFRecordDataset``
-(``benchmarks/input_pipeline.py``).
+of up to ``GROUP`` (and ``GROUP_BYTES``) through everything here: one vectorised
+``parse_example`` per group (with a per-record fallback only for a group that fails to
+parse), one counting ``scan`` step per group. The reader yields the groups; the pipeline
+unbatches them after the parallel ``interleave``, so that the interleave hands over one
+element per group rather than per record: 15% more images/s from 224-px raw shards (0.22
+against 0.26 CPU-ms an image), and 1-2% less CPU per photo from JPEG shards. Read alone,
+this runs at the speed of a bare ``TFRecordDataset`` (``benchmarks/input_pipeline.py``).
 """
 
 from __future__ import annotations
@@ -78,7 +81,8 @@ def corruption_error(error: BaseException) -> str | None:
 
 def shard_reader(config: DataConfig, parse_group, parse_one=None, check=None,
                  remote: bool = False, per_record: bool = False, group: int = GROUP):
-    """(shard path, expected records) -> that shard's records, lost ones accounted for.
+    """(shard path, expected records) -> that shard's records in groups (a leading dimension;
+    ``unbatch`` gives the records), lost ones accounted for.
 
     Args:
       config: ``data_dir`` (named in messages) and ``on_corrupt``.
@@ -162,7 +166,7 @@ def shard_reader(config: DataConfig, parse_group, parse_one=None, check=None,
             with tf.control_dependencies(checks):
                 return n + size, tf.nest.map_structure(tf.identity, group)
 
-        return groups.scan(tf.constant(0, tf.int64), count).unbatch()
+        return groups.scan(tf.constant(0, tf.int64), count)
 
     return read
 
