@@ -12,8 +12,9 @@ of up to ``GROUP`` (and ``GROUP_BYTES``) through everything here: one vectorised
 ``parse_example`` per group (with a per-record fallback only for a group that fails to
 parse), one counting ``scan`` step per group. The reader yields the groups; the pipeline
 unbatches them after the parallel ``interleave``, so that the interleave hands over one
-element per group rather than per record: 15% more images/s from 224-px raw shards (0.22
-against 0.26 CPU-ms an image), and 1-2% less CPU per photo from JPEG shards. Read alone,
+element per group rather than per record: 224-px raw shards read cold at 8.2-8.9k against
+6.6-7.8k images/s (0.22 against 0.24-0.28 CPU-ms an image, 4 alternating pairs), and JPEG
+shards take 0.5-1.4% less CPU per photo (profiler samples per decoder sample). Read alone,
 this runs at the speed of a bare ``TFRecordDataset`` (``benchmarks/input_pipeline.py``).
 """
 
