@@ -141,9 +141,14 @@ def _records(config, schema, split, num_pipelines, pipeline_id, shuffle, determi
     reader = shard_reader(config, parse_group, parse_one, check=check,
                           remote=remote, per_record=config.parse == "single", group=group)
     # Parallel interleave: reads several shards at once, hiding per-file latency.
-    ds = ds.interleave(reader, cycle_length=min(len(files), 16), num_parallel_calls=AUTOTUNE,
-                       deterministic=deterministic)
-    ds = ds.unbatch()  # after the interleave: its threads hand over groups, not records
+    if shuffle:  # groups through the interleave: its threads hand over groups, not records
+        ds = ds.interleave(reader, cycle_length=min(len(files), 16),
+                           num_parallel_calls=AUTOTUNE, deterministic=deterministic).unbatch()
+    else:  # records taken from the files in turn, one by one: n workers reading 1/n of the
+        # files each then make up the global batches one worker would read (tested)
+        ds = ds.interleave(lambda *shard: reader(*shard).unbatch(),
+                           cycle_length=min(len(files), 16), num_parallel_calls=AUTOTUNE,
+                           deterministic=deterministic)
     if num_pipelines > 1 and not shard_by_file:
         ds = ds.shard(num_pipelines, pipeline_id)  # fewer files than pipelines: shard records
     return ds

@@ -10,9 +10,10 @@ The hot path is sacred: on this 2-core machine every per-record ``map`` or ``sca
 function costs ~40 µs, as much as a third of a photo's decode. So records move in groups
 of up to ``GROUP`` (and ``GROUP_BYTES``) through everything here: one vectorised
 ``parse_example`` per group (with a per-record fallback only for a group that fails to
-parse), one counting ``scan`` step per group. The reader yields the groups; the pipeline
-unbatches them after the parallel ``interleave``, so that the interleave hands over one
-element per group rather than per record: 224-px raw shards read cold at 8.2-8.9k against
+parse), one counting ``scan`` step per group. The reader yields the groups. Where records
+are shuffled, the pipeline unbatches them after the parallel ``interleave``, so that the
+interleave hands over one element per group rather than per record (unshuffled, it keeps
+taking records from the files in turn, one by one: see `tfspeed.data.pipeline`): 224-px raw shards read cold at 8.2-8.9k against
 6.6-7.8k images/s (0.22 against 0.24-0.28 CPU-ms an image, 4 alternating pairs), and JPEG
 shards take 0.5-1.4% less CPU per photo (profiler samples per decoder sample). Read alone,
 this runs at the speed of a bare ``TFRecordDataset`` (``benchmarks/input_pipeline.py``).
