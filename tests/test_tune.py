@@ -108,6 +108,11 @@ def test_the_budget_scales_estimates_by_how_late_runs_were_and_keeps_a_reserve()
     assert budget.allows(28, "a shorter run")
 
 
+# Measuring gets up to 55% of the budget (~19 s of 36 s); on a loaded CI machine it took
+# 27 s, and 36 s then left no time to verify anything (the budget's one-line error).
+TUNE_BUDGET_S = 60
+
+
 @pytest.fixture(scope="module")
 def tuned(tabular_dir, tmp_path_factory):
     """One real tune of a small MLP job, as a user runs it (measuring in its child process,
@@ -126,7 +131,7 @@ def tuned(tabular_dir, tmp_path_factory):
     with flagsaver.flagsaver(), contextlib.redirect_stdout(stdout):
         tfspeed_flags.parse(["tfspeed.tune", *args])
         config = tfspeed_flags.to_config()
-        tune.run(config, args, budget_s=36, tune_dir=str(root / "run" / "tune"), verify_n=1)
+        tune.run(config, args, budget_s=TUNE_BUDGET_S, tune_dir=str(root / "run" / "tune"), verify_n=1)
     return root, stdout.getvalue()
 
 
@@ -172,7 +177,7 @@ def test_a_tune_records_every_candidate_and_the_verified_ones(tuned):
     assert all(r["measured"]["examples_per_sec"] > 0 for r in verified)
     assert result["user"]["resolved"]["input_placement"] == "host"
     assert result["user"]["resolved"]["cache"] == "none"
-    assert result["seconds"] <= 30 + 15  # the budget, and the last run it allowed
+    assert result["seconds"] <= TUNE_BUDGET_S + 15  # the budget, and the last run it allowed
     assert os.path.getsize(root / "run" / "tune" / "tune.png") > 1000
     assert "your flags" in stdout and "chosen:" in stdout
 
