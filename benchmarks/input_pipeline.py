@@ -14,6 +14,9 @@ cold epoch lasts); the best epoch counts (this machine is shared):
   limit    a bare decode+resize loop over the same JPEG bytes held in memory, as the peers
            resize (uint8) and as tfspeed does (cast to float32 first: the same pixels, a
            cheaper kernel);
+  read     the read stage alone over the JPEG shards, records in batches: tfspeed's (each
+           shard's records counted against schema.json) and a bare TFRecordDataset per file
+           in a parallel interleave;
   tfspeed  cold (cache="none", training defaults: shuffled) from JPEG at rest (the default
            conversion) and from the storage the converter picks for 224 px
            (--image_size=224 --image_format=auto);
@@ -134,6 +137,22 @@ def bare_memory_loop(data_dir: str, dtype: str) -> tf.data.Dataset:
     return ds.prefetch(AUTOTUNE)
 
 
+def read_stage(data_dir: str, bare: bool) -> tf.data.Dataset:
+    """The read stage alone, over the shards of ``data_dir``, as training reads them
+    (shuffled): tfspeed's (records counted against ``schema.json``, what is lost reported),
+    or a bare ``TFRecordDataset`` per file in a parallel interleave. Records go out in
+    batches of ``BATCH`` (a Python call per record would cost more than reading it)."""
+    if bare:
+        files = sorted(tf.io.gfile.glob(os.path.join(data_dir, "train-*.tfrecord")))
+        ds = tf.data.Dataset.from_tensor_slices(files).interleave(
+            tf.data.TFRecordDataset, cycle_length=min(len(files), 16),
+            num_parallel_calls=AUTOTUNE, deterministic=False)
+    else:
+        config = DataConfig(data_dir=data_dir, batch_size=BATCH, cache="none", image_size=SIZE)
+        ds = build_from_config(config, "train", training=True, until="read")
+    return ds.batch(BATCH).prefetch(AUTOTUNE)
+
+
 def time_epochs(ds: tf.data.Dataset, batches: int, epochs: int, warm_epochs: int,
                 passes: int = 1) -> dict:
     """Images/s of each of ``epochs`` timed spans of ``passes`` epochs of ``batches``
@@ -165,6 +184,8 @@ def pipeline(name: str, root: str, items) -> tuple[tf.data.Dataset, int]:
             items, os.path.join(root, "plain"))), 0),
         "limit_decode_resize": lambda: (decode_limit(items), 0),
         "limit_decode_float_resize": lambda: (decode_limit(items, float_resize=True), 0),
+        "read_bare_tfrecord": lambda: (read_stage(at_rest, bare=True), 0),
+        "read_tfspeed": lambda: (read_stage(at_rest, bare=False), 0),
         "tfspeed_cold_jpeg": lambda: (build(at_rest, "train", image_size=SIZE, **cold), 0),
         "tfspeed_cold_storage": lambda: (build(stored, "train", **cold), 0),
         "tfspeed_warm_float32": lambda: (build(stored, "train", **warm), 1),
@@ -179,10 +200,11 @@ def pipeline(name: str, root: str, items) -> tuple[tf.data.Dataset, int]:
 # about a second, as a cold epoch does: a single warm epoch of 3,000 images takes 30-150 ms,
 # and its best of nine swung 0.81-1.40x with the machine.
 PASSES = {"tfspeed_warm_float32": 8, "bare_memory_float32": 8,
-          "tfspeed_warm_uint8": 32, "bare_memory_uint8": 32}
+          "tfspeed_warm_uint8": 32, "bare_memory_uint8": 32,
+          "read_bare_tfrecord": 8, "read_tfspeed": 8}
 
 PIPELINES = ("peer_files", "peer_tfrecord", "limit_decode_resize", "limit_decode_float_resize",
-             "tfspeed_cold_jpeg", "tfspeed_cold_storage", "tfspeed_warm_float32",
+             "read_bare_tfrecord", "read_tfspeed", "tfspeed_cold_jpeg", "tfspeed_cold_storage", "tfspeed_warm_float32",
              "bare_memory_float32", "tfspeed_warm_uint8", "bare_memory_uint8")
 
 
@@ -260,6 +282,8 @@ def main(argv):
         # What is left once the resize is as cheap as tfspeed's: reading, parsing, shuffling.
         "cold_jpeg/limit_decode_float_resize": (ips["tfspeed_cold_jpeg"]
                                                 / ips["limit_decode_float_resize"]),
+        # The read stage with its accounting against a bare TFRecordDataset (records/s).
+        "read_stage/bare_tfrecord": ips["read_tfspeed"] / ips["read_bare_tfrecord"],
         "cold_storage/best_peer": ips["tfspeed_cold_storage"] / best_peer,
         "warm_float32/bare_memory_float32": (ips["tfspeed_warm_float32"]
                                              / ips["bare_memory_float32"]),
