@@ -15,8 +15,10 @@ are shuffled, the pipeline unbatches them after the parallel ``interleave``, so 
 interleave hands over one element per group rather than per record (unshuffled, it keeps
 taking records from the files in turn, one by one: see `tfspeed.data.pipeline`): 224-px raw shards read cold at 8.2-8.9k against
 6.6-7.8k images/s (0.22 against 0.24-0.28 CPU-ms an image, 4 alternating pairs), and JPEG
-shards take 0.5-1.4% less CPU per photo (profiler samples per decoder sample). Read alone,
-this runs at the speed of a bare ``TFRecordDataset`` (``benchmarks/input_pipeline.py``).
+shards take 0.5-1.4% less CPU per photo (profiler samples per decoder sample). Read alone
+over JPEG shards, shuffled as training reads them, this runs at 0.82x a bare
+``TFRecordDataset`` per file in a parallel interleave: 0.028 against 0.025 CPU-ms a record
+(``benchmarks/input_pipeline.py``, ``read_stage/bare_tfrecord``).
 """
 
 from __future__ import annotations
