@@ -158,19 +158,24 @@ def time_epochs(ds: tf.data.Dataset, batches: int, epochs: int, warm_epochs: int
     """Images/s of each of ``epochs`` timed spans of ``passes`` epochs of ``batches``
     batches, after ``warm_epochs`` untimed ones (which fill a cache) and a few batches
     (which start the threads)."""
+    import resource
+
     iterator = iter(ds.repeat())
     for _ in range(warm_epochs * batches + 4):
         next(iterator)
-    rates, cpu = [], []
+    rates, cpu, faults = [], [], []
     for _ in range(epochs):
         start, cpu_start = time.perf_counter(), time.process_time()
+        faults_start = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         for _ in range(batches * passes):
             next(iterator)
         images = batches * passes * BATCH
         rates.append(images / (time.perf_counter() - start))
         cpu.append(1000 * (time.process_time() - cpu_start) / images)
+        faults.append((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults_start)
+                      / images)
     return {"epochs_images_per_sec": rates, "epochs_cpu_ms_per_image": cpu,
-            "peak_rss_mb": bench.peak_rss_mb()}
+            "epochs_page_faults_per_image": faults, "peak_rss_mb": bench.peak_rss_mb()}
 
 
 def pipeline(name: str, root: str, items) -> tuple[tf.data.Dataset, int]:
@@ -254,18 +259,7 @@ def main(argv):
                                                  passes)))
         return
     converted = conversions(root, photos, _ROUNDS.value)
-    figures = {name: {"epochs_images_per_sec": [], "epochs_cpu_ms_per_image": [],
-                      "peak_rss_mb": 0.0} for name in PIPELINES}
-    for _ in range(_ROUNDS.value):  # rounds of all pipelines: the machine's noise spreads
-        for name in PIPELINES:
-            result = _in_process_of_its_own(name)
-            figures[name]["epochs_images_per_sec"] += result["epochs_images_per_sec"]
-            figures[name]["epochs_cpu_ms_per_image"] += result["epochs_cpu_ms_per_image"]
-            figures[name]["peak_rss_mb"] = max(figures[name]["peak_rss_mb"],
-                                               result["peak_rss_mb"])
-    for f in figures.values():
-        f["images_per_sec"] = max(f["epochs_images_per_sec"])
-        f["cpu_ms_per_image"] = statistics.median(f["epochs_cpu_ms_per_image"])
+    figures = run_rounds(PIPELINES, _ROUNDS.value)
     ips = {name: f["images_per_sec"] for name, f in figures.items()}
     cpu = {name: f["cpu_ms_per_image"] for name, f in figures.items()}
     best_peer = max(ips["peer_files"], ips["peer_tfrecord"])
@@ -300,14 +294,40 @@ def main(argv):
     print(json.dumps(bench.record("input_pipeline", config, figures, ratios), indent=2))
 
 
-def _in_process_of_its_own(name: str) -> dict:
-    """Runs one pipeline in a fresh process: no other pipeline's threads or buffers."""
+def run_rounds(names, rounds: int, envs: dict | None = None) -> dict:
+    """Each pipeline of ``names`` in a process of its own, in ``rounds`` rounds over all of
+    them (the machine's noise spreads), and in each environment of ``envs`` (label -> the
+    process's environment; figures keyed "name:label") if given; figures per pipeline: every
+    epoch's, the best epoch's images/s and the median CPU-ms and page faults per image."""
+    envs = envs or {"": None}
+    epochs = ("epochs_images_per_sec", "epochs_cpu_ms_per_image", "epochs_page_faults_per_image")
+    keys = {(name, label): f"{name}:{label}" if label else name
+            for name in names for label in envs}
+    figures = {key: {**{e: [] for e in epochs}, "peak_rss_mb": 0.0} for key in keys.values()}
+    for _ in range(rounds):
+        for name in names:
+            for label, env in envs.items():
+                result = _in_process_of_its_own(name, env)
+                f = figures[keys[name, label]]
+                for e in epochs:
+                    f[e] += result[e]
+                f["peak_rss_mb"] = max(f["peak_rss_mb"], result["peak_rss_mb"])
+    for f in figures.values():
+        f["images_per_sec"] = max(f["epochs_images_per_sec"])
+        f["cpu_ms_per_image"] = statistics.median(f["epochs_cpu_ms_per_image"])
+        f["page_faults_per_image"] = statistics.median(f["epochs_page_faults_per_image"])
+    return figures
+
+
+def _in_process_of_its_own(name: str, env: dict | None = None) -> dict:
+    """Runs one pipeline in a fresh process (no other pipeline's threads or buffers), in
+    ``env`` if given."""
     import subprocess
 
-    proc = subprocess.run([sys.executable, __file__, f"--pipeline={name}",
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), f"--pipeline={name}",
                            f"--workdir={_WORKDIR.value}", f"--images={_IMAGES.value}",
                            f"--classes={_CLASSES.value}", f"--epochs={_EPOCHS.value}"],
-                          capture_output=True, text=True, check=False)
+                          capture_output=True, text=True, check=False, env=env)
     lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
     if proc.returncode or not lines:
         raise SystemExit(f"{name} failed:\n{proc.stderr[-3000:]}")

@@ -11,6 +11,8 @@ import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
 from PIL import Image  # noqa: E402
 
+import tfspeed  # noqa: E402, F401  -- before any tensor, as users do: it picks the host allocator
+
 REPO = Path(__file__).resolve().parents[1]
 
 # Two logical CPU devices, so MirroredStrategy runs with 2 replicas; this has to happen

@@ -8,6 +8,7 @@ import socket
 import sys
 from collections.abc import Callable
 
+from tfspeed import hostmem
 from tfspeed.errors import exit_on_usage_error
 
 
@@ -93,6 +94,7 @@ def convert_main() -> None:
     # oneDNN banner on stderr. The caller's settings win.
     os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    hostmem.apply()  # again: oneDNN off means malloc unless the pool is asked for
     from tfspeed.convert import run
 
     run()

@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 from absl import logging
 
+from tfspeed import hostmem
 from tfspeed.config import RuntimeConfig
 from tfspeed.errors import UsageError
 
@@ -83,7 +84,7 @@ def detect_hardware() -> Hardware:
     return Hardware(
         gpus=tuple(gpus),
         tpus=len(tf.config.list_physical_devices("TPU")),
-        cpu_flags=_cpu_flags(),
+        cpu_flags=hostmem.cpu_flags(),
         cluster_tasks=cluster_tasks(),
     )
 
@@ -108,17 +109,6 @@ def cluster_tasks(environ=None) -> int:
                          '["host:port", ...]}, "task": {"type": "worker", "index": 0}}; fix it '
                          "or start workers with python -m tfspeed.launch") from None
     return tasks
-
-
-def _cpu_flags() -> frozenset[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
 
 
 def resolve(config: RuntimeConfig, hw: Hardware) -> Plan:
@@ -299,7 +289,10 @@ def setup(config: RuntimeConfig, hw: Hardware | None = None,
     if plan.cpu_replicas > 1:
         split_cpu(plan.cpu_replicas)
     keras.mixed_precision.set_global_policy(plan.precision)
-    return Runtime(strategy=_make_strategy(plan), plan=plan)
+    runtime = Runtime(strategy=_make_strategy(plan), plan=plan)
+    if line := hostmem.advice():
+        logging.warning(line)
+    return runtime
 
 
 def _with_threads(plan: Plan, config: RuntimeConfig, hw: Hardware, forward_flops) -> Plan:
