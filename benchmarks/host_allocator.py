@@ -1,6 +1,6 @@
 """TensorFlow's host allocator and the input pipeline, on real photographs.
 
-    python benchmarks/host_allocator.py [--rounds=2] [--workdir=/tmp/tfspeed-bench]
+    python benchmarks/host_allocator.py [--rounds=3] [--workdir=/tmp/tfspeed-bench]
 
 Without oneDNN, TensorFlow allocates CPU tensors with malloc. On Linux oneDNN is off by
 default on CPUs without VNNI or AMX (Skylake and older, Zen 1-3), and everywhere with

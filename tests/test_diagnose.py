@@ -95,6 +95,29 @@ def test_shared_cpu_is_called_input_bound(digits_dir):
     assert result["next_steps"][0]["expected_gain"].startswith("up to 2.0x")
 
 
+def test_malloc_host_allocator_is_named_with_its_fix(digits_dir):
+    """Input-bound where TensorFlow allocates host memory with malloc: the fix is named,
+    with the gain benchmarks/host_allocator.py measured."""
+    from tfspeed.data import schema as schema_lib
+    from tfspeed.runtime import Hardware, resolve
+
+    config = _config(digits_dir, "/tmp/unused", data={"cache": "none"})
+    figures = {
+        "examples_per_sec": {"input_alone": 500.0, "compute_alone": 2000.0, "together": 480.0},
+        "input_wait_pct": 70.0, "profile": {},
+        "stages_ms_per_batch": {"read": 1.0, "decode": 4.0},
+        "memory": {"peak_host_rss_mb": 1000.0, "host_total_mb": 24_000.0},
+    }
+    plan = resolve(config.runtime, Hardware())
+    pooled = advice.decide(config, schema_lib.read(digits_dir), plan, figures)
+    assert not any("TF_CPU_ALLOCATOR_USE_BFC" in s["advice"] for s in pooled["next_steps"])
+    figures["memory"]["host_allocator"] = "malloc"
+    result = advice.decide(config, schema_lib.read(digits_dir), plan, figures)
+    assert result["verdict"] == "input-bound"
+    step = next(s for s in result["next_steps"] if "TF_CPU_ALLOCATOR_USE_BFC=1" in s["advice"])
+    assert step["expected_gain"] == "up to 1.4x"
+
+
 def test_memory_verdict_and_its_advice(digits_dir):
     """The decision itself, on figures where memory is nearly full."""
     from tfspeed.data import schema as schema_lib

@@ -21,6 +21,7 @@ import time
 from absl import app, logging
 
 from tfspeed import flags as tfspeed_flags
+from tfspeed import hostmem
 from tfspeed.cli import main_entry
 from tfspeed.errors import UsageError
 
@@ -168,7 +169,7 @@ def _memory() -> dict:
 
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**20
     memory = {"peak_host_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-              "host_total_mb": total}
+              "host_total_mb": total, "host_allocator": hostmem.describe()}
     for i, _ in enumerate(tf.config.list_physical_devices("GPU")):
         info = tf.config.experimental.get_memory_info(f"GPU:{i}")
         memory[f"gpu{i}_peak_mb"] = info["peak"] / 2**20
@@ -194,7 +195,8 @@ def report_lines(result: dict) -> list[str]:
         f"  together             : {eps['together']:10.0f} examples/s, "
         f"{result['input_wait_pct']:.0f}% of the time waiting for input",
         f"  peak host memory     : {memory['peak_host_rss_mb'] / 1024:.1f} GB of "
-        f"{memory['host_total_mb'] / 1024:.1f} GB",
+        f"{memory['host_total_mb'] / 1024:.1f} GB (allocator: "
+        f"{memory.get('host_allocator', 'unknown')})",
     ]
     if result["profile"].get("conclusion"):
         lines.append(f"  xprof: {result['profile']['conclusion']}")

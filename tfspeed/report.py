@@ -20,7 +20,7 @@ def versions() -> dict[str, str]:
         "keras": keras.__version__,
         "machine": platform.machine(),
         "cpus": str(os.cpu_count()),
-        # "malloc" makes input pipelines 1.4-3.2x slower (tfspeed.hostmem).
+        # "malloc" makes input pipelines 1.1-3.3x slower (tfspeed.hostmem).
         "host_allocator": hostmem.describe(),
     }
 
