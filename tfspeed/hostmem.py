@@ -7,9 +7,10 @@ only on CPUs with AVX512_VNNI, AVX512_BF16, AVX_VNNI or AMX (Cascade Lake, Zen 4
 hosts among them), and any process run with ``TF_ENABLE_ONEDNN_OPTS=0`` get malloc. There,
 every decoded photo, resize buffer and float batch is a fresh allocation of 0.1-40 MB whose
 pages are faulted in anew. Measured on real photos with oneDNN off (``benchmarks/host_allocator.py``):
-~150 page faults and ~0.4 ms of kernel time per photo, and input pipelines, tfspeed's and the
-plain tf.data ones alike, 1.1-3.3x slower than with TensorFlow's own BFC allocator
-(``TF_CPU_ALLOCATOR_USE_BFC``).
+~150 page faults and ~0.4 ms of kernel time per photo, and input pipelines that decode,
+resize or cast, tfspeed's and the plain tf.data ones alike, 1.3-4.1x slower than with
+TensorFlow's own BFC allocator (``TF_CPU_ALLOCATOR_USE_BFC``); uint8 batches from a cache,
+which allocate little, 0.95-1.11x.
 
 TensorFlow reads that variable once, when it makes its CPU allocator (at the first tensor), so
 ``import tfspeed`` sets it where it helps (``apply``), before that. A user's own setting wins.
@@ -103,6 +104,6 @@ def advice(environ: Mapping[str, str] = os.environ) -> str | None:
     if environ.get(USE_BFC, "").strip().lower() in ("0", "false") or describe() != "malloc":
         return None
     return ("TensorFlow allocates host memory with malloc in this process (oneDNN is off on "
-            "this CPU or by TF_ENABLE_ONEDNN_OPTS=0), which makes input pipelines 1.1-3.3x "
-            "slower: import tfspeed before creating any tensor, or set "
+            "this CPU or by TF_ENABLE_ONEDNN_OPTS=0), which makes input pipelines that decode "
+            "or cast 1.3-4.1x slower: import tfspeed before creating any tensor, or set "
             "TF_CPU_ALLOCATOR_USE_BFC=1 in the environment (=0 to keep malloc and silence this)")
