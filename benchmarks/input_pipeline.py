@@ -219,29 +219,18 @@ def conversions(root: str, photos: str, rounds: int) -> dict:
     ``rounds`` interleaved rounds (the faster of each counts). Each writes into a fresh
     directory, as a first conversion does: the last round's output is deleted beforehand,
     untimed (an ``--overwrite`` would time deleting 450 MB of earlier shards, ~0.1 s)."""
-    import shutil
-    import subprocess
-
     figures = {}
     runs = [("jpeg_at_rest", [])] + rounds * [
         ("storage_224_workers_1", [f"--image_size={SIZE}", "--workers=1"]),
         ("storage_224", [f"--image_size={SIZE}", "--image_format=auto"])]
     for name, extra in runs:
         out = os.path.join(root, f"tfspeed-{name}")
-        shutil.rmtree(out, ignore_errors=True)
-        os.sync()  # the deletion's disk work done before the clock starts
-        command = [sys.executable, os.path.join(REPO, "scripts", "to_tfrecord.py"),
-                   f"--source=imagefolder:{photos}", f"--output={out}",
-                   "--validation_fraction=0", "--noprogress", *extra]
-        proc = subprocess.run(command, capture_output=True, text=True, check=True)
-        line = proc.stdout.strip().splitlines()[-1]
-        with open(os.path.join(out, "schema.json")) as f:
-            schema = json.load(f)
-        rate = float(line.rsplit("(", 1)[1].split()[0])
+        run = bench.run_converter(f"imagefolder:{photos}", out, *extra)
+        rate = run["records_per_sec"]
         seen = figures.get(name, {}).get("rounds_records_per_sec", [])
         if not seen or rate > max(seen):
-            figures[name] = {"records_per_sec": rate, "summary": line,
-                             "storage": schema.get("storage"), "data_dir": out}
+            figures[name] = {"records_per_sec": rate, "summary": run["summary"],
+                             "storage": run["storage"], "data_dir": out}
         figures[name]["rounds_records_per_sec"] = [*seen, rate]
     return figures
 

@@ -78,3 +78,21 @@ def test_bad_records_are_one_line_errors(tmp_path, bad, message):
     assert proc.returncode == 2
     assert proc.stderr.startswith("error: ") and proc.stderr.count("\n") == 1
     assert message in proc.stderr
+
+
+def test_run_converter_writes_into_a_fresh_directory_and_reports_its_rate(tmp_path):
+    """The benchmarks' way of converting: the converter's own command line, its reported
+    rate, and what an earlier run left in the output deleted first (a re-run with fewer
+    shards leaves no stale shard behind)."""
+    from conftest import write_photos
+
+    photos = write_photos(tmp_path / "photos", classes=2, per_class=6)
+    out = str(tmp_path / "out")
+    first = bench.run_converter(f"imagefolder:{photos}", out, "--shards=3")
+    second = bench.run_converter(f"imagefolder:{photos}", out, "--shards=2")
+    assert (first["shards"], second["shards"]) == (3, 2)
+    assert second["records_per_sec"] > 0
+    assert "12 records" in second["summary"]
+    assert second["storage"]["image_format"] == "jpeg"
+    with pytest.raises(SystemExit, match="--shards=-1 failed"):
+        bench.run_converter(f"imagefolder:{photos}", out, "--shards=-1")

@@ -127,6 +127,36 @@ def make_photos(root: str, count: int, classes: int, seed: int = 0,
     return items
 
 
+def run_converter(source: str, output: str, *extra: str) -> dict:
+    """Runs ``scripts/to_tfrecord.py`` as users do, into a fresh ``output`` (what an earlier
+    run left there is deleted first, untimed: a first conversion writes into nothing).
+
+    Returns:
+      ``{"records_per_sec", "summary", "storage", "shards"}``: the rate as the converter
+      reports it, its last line, and what ``schema.json`` records.
+    """
+    import json
+    import shutil
+    import subprocess
+    import sys
+
+    shutil.rmtree(output, ignore_errors=True)
+    os.sync()  # the deletion's disk work done before the clock starts
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                          "scripts", "to_tfrecord.py")
+    proc = subprocess.run([sys.executable, script, f"--source={source}", f"--output={output}",
+                           "--validation_fraction=0", "--noprogress", *extra],
+                          capture_output=True, text=True, check=False)
+    if proc.returncode:
+        raise SystemExit(f"to_tfrecord.py {' '.join(extra)} failed:\n{proc.stderr[-3000:]}")
+    line = proc.stdout.strip().splitlines()[-1]
+    with open(os.path.join(output, "schema.json")) as f:
+        schema = json.load(f)
+    return {"records_per_sec": float(line.rsplit("(", 1)[1].split()[0]), "summary": line,
+            "storage": schema.get("storage"),
+            "shards": len([n for n in os.listdir(output) if n.endswith(".tfrecord")])}
+
+
 # ---------------------------------------------------------------- comparing two records
 LOWER_IS_BETTER = ("_ms", "seconds", "rss", "_mb", "memory", "time")
 HIGHER_IS_BETTER = ("per_sec", "throughput", "steps_per", "images_per", "examples_per")
