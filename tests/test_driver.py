@@ -52,6 +52,64 @@ def test_equivalent_runs_give_the_same_eval_loss(big_batch_report, digits_dir, t
     assert report["runtime"]["num_replicas"] == (2 if settings.get("replicas") else 1)
 
 
+# SGD's update is proportional to the gradient (Adam's is nearly invariant to its scale):
+# a gradient summed where it should be averaged (over replicas or micro-batches) changes
+# these weights by far more than this. Float32 sums in another order: a few ulps.
+SGD_TOLERANCE = 1e-5
+
+
+def _sgd_run(data_dir, model_dir, placement="host", **settings):
+    """A driver run with SGD (Nesterov momentum 0.9); its report and final weights."""
+    config = _config(data_dir, model_dir, optimizer="sgd", **settings)
+    config = dataclasses.replace(config, data=dataclasses.replace(
+        config.data, input_placement=placement))
+    report = run(config)
+    assert report["input"]["placement"]["where"] == placement
+    return report, keras.models.load_model(model_dir / "model.keras").get_weights()
+
+
+@pytest.fixture(scope="module")
+def sgd_reference(digits_dir, tmp_path_factory):
+    """6 SGD updates of batch 32, one device, tf.data input, float32, fixed order."""
+    return _sgd_run(digits_dir, tmp_path_factory.mktemp("sgd"))
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        dict(batch=8, accum=4, spe=3),
+        dict(strategy="mirrored", replicas=2, spe=1),
+        dict(placement="device"),
+        dict(batch=8, accum=4, strategy="mirrored", replicas=2, placement="device", spe=5),
+    ],
+    ids=["accum4", "mirrored2", "in-graph", "mirrored2-accum4-in-graph"],
+)
+def test_equivalent_sgd_runs_train_to_the_same_weights(sgd_reference, digits_dir, tmp_path,
+                                                       settings):
+    """batch 32 x 1 == batch 8 x 4 accumulated == 2 replicas == in-graph input, weight by
+    weight, under an optimizer that would show a wrong gradient scale."""
+    reference, expected = sgd_reference
+    report, weights = _sgd_run(digits_dir, tmp_path, **settings)
+    assert report["optimizer_updates"] == reference["optimizer_updates"] == 6
+    assert report["runtime"]["num_replicas"] == (2 if settings.get("replicas") else 1)
+    for got, want in zip(weights, expected, strict=True):
+        np.testing.assert_allclose(got, want, atol=SGD_TOLERANCE, rtol=0)
+
+
+def test_the_sgd_tolerance_catches_a_gradient_twice_too_large(sgd_reference, digits_dir,
+                                                              tmp_path):
+    """The control for the test above: with SGD a gradient summed over 2 replicas instead of
+    averaged is the same run at twice the learning rate, and that is far outside it."""
+    config = _config(digits_dir, tmp_path, optimizer="sgd")
+    config = dataclasses.replace(
+        config, data=dataclasses.replace(config.data, input_placement="host"),
+        train=dataclasses.replace(config.train, learning_rate=0.02))
+    run(config)
+    doubled = keras.models.load_model(tmp_path / "model.keras").get_weights()
+    gap = max(np.abs(a - b).max() for a, b in zip(doubled, sgd_reference[1], strict=True))
+    assert gap > 100 * SGD_TOLERANCE
+
+
 def test_report_records_each_choice_with_its_reason(big_batch_report):
     runtime = big_batch_report["runtime"]
     assert runtime["precision"] == "float32" and runtime["xla"] is False
@@ -122,7 +180,8 @@ def test_remat_gives_the_same_gradients_inside_tf_function():
         def gradients(model=model):
             with tf.GradientTape() as tape:
                 logits = model(x, training=True)
-                loss = tf.reduce_mean(trainer.sparse_ce_from_logits(y, logits))
+                loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(
+                    y, logits, from_logits=True))
             return tape.gradient(loss, model.trainable_variables)
 
         grads.append([g.numpy() for g in gradients()])
@@ -174,7 +233,8 @@ def test_mirrored_evaluation_of_an_uneven_split_equals_one_device(digits_dir, tm
     logits = np.concatenate([model(x, training=False) for x, _ in batches])
     labels = np.concatenate([y for _, y in batches])
     assert len(labels) == 180 and -(-180 // (batch // 2)) % 2 == 1  # an odd count
-    loss = np.mean(trainer.sparse_ce_from_logits(labels, logits))
+    loss = np.mean(keras.losses.sparse_categorical_crossentropy(labels, logits,
+                                                                from_logits=True))
     assert report["eval_loss"] == pytest.approx(float(loss), rel=1e-5)
     assert report["eval_accuracy"] == pytest.approx(np.mean(logits.argmax(1) == labels))
 

@@ -118,22 +118,37 @@ def test_killed_worker_job_restarts_and_resumes(four_shards, tmp_path):
                        "--checkpoint_every=10")]
     job = subprocess.Popen(command, cwd=REPO, env=ENV, stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, text=True)
-    lines, pid = [], None
+    lines, pid, saved = [], None, 0
     for line in job.stdout:
         lines.append(line)
         if match := re.match(r"\[launch\] worker 1: pid (\d+)", line):
             pid = int(match.group(1))
-        if "[worker 0]" in line and "update 30/300" in line:
-            os.kill(pid, signal.SIGKILL)  # checkpoints at 10, 20, 30 were written
+        # "update 30/300" is logged before update 30's checkpoint is written: kill only once
+        # the chief has recorded a checkpoint of update >= 30 (its files complete) on disk.
+        saved = _saved_update(model_dir / "checkpoints")
+        if pid is not None and saved >= 30:
+            os.kill(pid, signal.SIGKILL)
             break
     lines += job.stdout.readlines()
     assert job.wait(timeout=240) == 0, "".join(lines[-30:])
     output = "".join(lines)
+    assert saved >= 30, output[-3000:]
     assert "[launch] worker 1 was killed by SIGKILL; restarting all 2 workers" in output
     report = json.loads((model_dir / "report.json").read_text())
-    assert report["resumed_from_update"] >= 30
+    assert saved <= report["resumed_from_update"] < 300  # resumed, at or after what was saved
     assert report["optimizer_updates"] == 300
     assert not list(model_dir.glob(".worker-*"))  # the killed worker's leftovers too
+
+
+def _saved_update(directory: Path) -> int:
+    """The update of the newest checkpoint recorded in ``directory``'s state file whose
+    index is written (what a restart restores from), or 0."""
+    import tensorflow as tf
+
+    state = tf.train.get_checkpoint_state(str(directory)) if directory.is_dir() else None
+    paths = [p for p in (state.all_model_checkpoint_paths if state else ())
+             if os.path.exists(p + ".index")]
+    return max((int(p.rsplit("-", 1)[1]) for p in paths), default=0)
 
 
 def test_a_live_workers_directory_is_refused_and_a_dead_ones_removed(tmp_path):

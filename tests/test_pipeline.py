@@ -246,3 +246,76 @@ def test_groups_of_big_records_hold_about_two_megabytes():
     assert group_size(31_000) == GROUP  # JPEGs: the most records per group
     assert group_size(64) == GROUP  # the digits
     assert group_size(50 << 20) == MIN_GROUP  # huge records: still a few per group
+
+
+def test_finite_splits_have_a_known_cardinality_and_keras_fit_does_not_run_out(digits_dir):
+    """180 validation records in batches of 64: 3 batches, known before reading (Keras then
+    does not end each validation pass on OutOfRange with "Your input ran out of data")."""
+    import warnings
+
+    import keras
+
+    val = tfspeed.data.build(digits_dir, "validation", 64)
+    assert int(val.cardinality()) == 3 == len(list(val))
+    halves = [tfspeed.data.build(digits_dir, "validation", 16,
+                                 input_context=tf.distribute.InputContext(2, i, 2))
+              for i in range(2)]  # one shard, sharded by record: 90 each, per-replica 8
+    assert [int(ds.cardinality()) for ds in halves] == [12, 12] == [len(list(ds)) for ds in halves]
+    train = tfspeed.data.build(digits_dir, "train", 64, training=True)
+    assert int(train.cardinality()) == tf.data.INFINITE_CARDINALITY
+    model = keras.Sequential([keras.Input((8, 8, 1)), keras.layers.Flatten(),
+                              keras.layers.Dense(10)])
+    model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        history = model.fit(train, steps_per_epoch=2, epochs=2, validation_data=val, verbose=0)
+    assert not [w for w in caught if "ran out of data" in str(w.message)]
+    assert len(history.history["val_loss"]) == 2
+
+
+def test_a_damaged_validation_shard_ends_the_pass_early_without_an_error(digits_dir, tmp_path):
+    """A flipped byte loses the rest of the shard (counted by the reader): the pass has
+    fewer batches than declared and ends cleanly, not with a cardinality error."""
+    import shutil
+
+    from tfspeed.data import integrity
+
+    data = shutil.copytree(digits_dir, tmp_path / "data", ignore=shutil.ignore_patterns("cache"))
+    path = schema_lib.read(data).shard_paths(data, "validation")[0]
+    with open(path, "rb") as f:
+        buf = bytearray(f.read())
+    frames = integrity.record_offsets(bytes(buf))
+    buf[frames[100][0] + integrity.HEADER_BYTES + 3] ^= 0xFF  # inside record 100's data
+    with open(path, "wb") as f:
+        f.write(buf)
+    pipeline.reset_corruption_report()
+    try:
+        val = tfspeed.data.build(data, "validation", 64, cache="none")
+        x, _ = _all(val)
+        assert int(val.cardinality()) == 3 and len(list(val)) == 2  # 100 records: 2 batches
+        assert len(x) == 100 and pipeline.corruption_report() == {path: 160}  # 2 passes
+    finally:
+        pipeline.reset_corruption_report()
+
+
+def test_upscaling_every_stored_image_warns_once_per_split(photos_dir, digits_dir, caplog):
+    """The photos are stored at 20-40 px a side, the digits at 8 px."""
+    import logging
+
+    shortest, longest = schema_lib.read(photos_dir).split("validation").image_sides
+    assert longest == 40 and shortest < 32
+    pipeline._upscale_warned.clear()
+    with caplog.at_level(logging.WARNING):
+        for _ in range(2):
+            tfspeed.data.build(photos_dir, "validation", 4, image_size=48)
+        tfspeed.data.build(photos_dir, "validation", 4, image_size=32)  # 40 px ones: no
+        tfspeed.data.build(digits_dir, "validation", 4, image_size=28)
+    lines = [r.getMessage() for r in caplog.records if "upscales" in r.getMessage()]
+    assert lines == [
+        f"--image_size=48 upscales every image of split 'validation' of {photos_dir}, stored "
+        f"at {shortest}-40 px a side (1.4× the pixels of the largest, no new detail): convert with "
+        "--image_size=48, or lower --image_size to 40",
+        f"--image_size=28 upscales every image of split 'validation' of {digits_dir}, stored "
+        "at 8 px a side (12× the pixels of the largest, no new detail): convert with "
+        "--image_size=28, or lower --image_size to 8",
+    ]

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import threading
 
 import tensorflow as tf
+from absl import logging
 
 from tfspeed.config import DataConfig
 from tfspeed.data import cache, ops, plan
@@ -58,7 +60,9 @@ def build(
     Returns:
       A dataset of ``(inputs, labels)`` batches: images as float32 in [0, 1] (or uint8 with
       ``image_dtype="uint8"``, leaving the scaling to the model), tabular features
-      standardised with the train split's statistics, labels int32.
+      standardised with the train split's statistics, labels int32. A finite split
+      (``training=False``) declares its number of batches (``cardinality()``), from the
+      record counts in ``schema.json``.
     """
     config = DataConfig(data_dir=data_dir, batch_size=batch_size, **options).validate()
     return build_from_config(config, split, training=training, input_context=input_context)
@@ -85,6 +89,7 @@ def build_from_config(
     if num_records == 0:
         raise UsageError(f"split {split!r} of {config.data_dir} is empty; reconvert with more data")
     _check_input_fits(schema, config)
+    _warn_if_upscaled(schema, config, split)
     shuffle = training and config.shuffle
     deterministic = config.deterministic or not shuffle
     batch_size, num_pipelines, pipeline_id = config.batch_size, 1, 0
@@ -118,7 +123,30 @@ def build_from_config(
     ds = _after_cache(ds, config, steps, training, deterministic)
     if until == "augment":
         return ds
-    return _batched(ds, config, steps, batch_size, training, deterministic)
+    ds = _batched(ds, config, steps, batch_size, training, deterministic)
+    if training:
+        return ds  # repeats forever: infinite cardinality already
+    records = _num_records(schema, config, split, num_pipelines, pipeline_id)
+    return declare_batches(ds, -(-records // batch_size))  # drop_remainder=False: ceil
+
+
+def declare_batches(ds: tf.data.Dataset, num_batches: int) -> tf.data.Dataset:
+    """``ds`` with ``cardinality() == num_batches``, so Keras knows how long a validation
+    pass is (with an unknown one, ``fit`` ends each pass on OutOfRange and warns "Your input
+    ran out of data; interrupting training").
+
+    Not ``assert_cardinality``: with ``on_corrupt="skip"`` (the default) a damaged shard loses
+    records (the reader counts and reports them), the pass has fewer batches than
+    ``schema.json`` implies, and the assertion would then fail the run at the end of every
+    pass with FailedPrecondition. Instead the batches are followed by a dataset that claims
+    to be infinite but yields nothing (a filtered element, repeated: a repeat of an empty
+    pass ends), and ``take`` cuts the declared count: a complete pass yields exactly its
+    batches, a short one ends early, as the plain pipeline does. Per batch, not per record.
+    """
+    nothing = tf.data.Dataset.from_tensors(tf.nest.map_structure(
+        lambda s: tf.zeros([d if d is not None else 0 for d in s.shape], s.dtype),
+        ds.element_spec)).filter(lambda *_: False).repeat()
+    return ds.concatenate(nothing).take(num_batches)
 
 
 def _map(ds, fn, deterministic):
@@ -345,6 +373,41 @@ def _check_input_fits(schema: schema_lib.Schema, config: DataConfig) -> None:
             f"images in {config.data_dir} have varying sizes; pass --image_size=N to resize them "
             "(or reconvert with --image_size or --image_max_side)"
         )
+
+
+_upscale_warned: set = set()
+_upscale_lock = threading.Lock()
+
+
+def _warn_if_upscaled(schema: schema_lib.Schema, config: DataConfig, split: str) -> None:
+    """One warning per split when ``--image_size`` exceeds every stored image's longest
+    side: each image is then upscaled (more pixels to decode, move and train on, and no
+    more detail), which is easy to miss in a flagfile written for another conversion."""
+    feature = schema.input_feature
+    if schema.named_inputs or not config.image_size or not is_image(feature):
+        return
+    sides = schema.split(split).image_sides
+    if sides:
+        shortest, longest = int(sides[0]), int(sides[1])
+    elif None not in feature.shape[:2]:
+        shortest, longest = min(feature.shape[:2]), max(feature.shape[:2])
+    else:
+        return  # sizes not recorded (an older schema): nothing to compare
+    requested = config.image_size
+    if requested <= longest:
+        return
+    key = (os.path.abspath(config.data_dir), split, requested)
+    with _upscale_lock:
+        if key in _upscale_warned:
+            return
+        _upscale_warned.add(key)
+    stored = f"{longest} px" if shortest == longest else f"{shortest}-{longest} px"
+    factor = (requested / longest) ** 2
+    logging.warning(
+        "--image_size=%d upscales every image of split %r of %s, stored at %s a side "
+        "(%s× the pixels of the largest, no new detail): convert with --image_size=%d, "
+        "or lower --image_size to %d", requested, split, config.data_dir, stored,
+        f"{factor:.1f}" if factor < 10 else f"{factor:.0f}", requested, longest)
 
 
 def _label_message(schema, config) -> str:
