@@ -449,6 +449,59 @@ def test_output_of_another_dataset_is_refused_unless_overwrite(tmp_path):
     assert not (stray / "someone-else.tfrecord").exists()
 
 
+def _cats_and_dogs(root):
+    """root/<cat|dog>/<0|1>.jpg: a source folder, not a converted dataset."""
+    for name in ("cat", "dog"):
+        for i in range(2):
+            _save(root / name / f"{i}.jpg", _pixels(8, 8, seed=i), "JPEG")
+    return root
+
+
+def test_an_output_that_is_near_or_holds_source_files_is_refused(tmp_path):
+    """Shards written among photos would mix with them (and be listed as a class next time)."""
+    photos = _cats_and_dogs(tmp_path / "photos")
+    table = tmp_path / "tables" / "t.csv"
+    table.parent.mkdir()
+    table.write_text("a,label\n1,x\n2,y\n")
+    before = sorted(tmp_path.rglob("*"))
+    cases = [
+        (f"imagefolder:{photos}", photos, "is the source itself", "data/photos"),
+        (f"imagefolder:{photos}", photos / "cat" / "tf", "lies inside the source", "data/photos"),
+        (f"imagefolder:{photos}", tmp_path, "contains the source", "data/photos"),
+        (f"csv:{table}", table.parent, "contains the source", "data/t"),
+        ("digits", photos, f"holds source files ({photos / 'cat' / '0.jpg'})", "data/photos"),
+        ("digits", table.parent, f"holds source files ({table})", "data/tables"),
+    ]
+    for source, output, relation, suggestion in cases:
+        with pytest.raises(UsageError) as error:
+            convert(source, str(output), shards=1)
+        message = str(error.value)
+        assert message.startswith(f"--output={output} {relation}") and "\n" not in message
+        assert "separate" in message and message.endswith(f"e.g. --output={suggestion}")
+    assert sorted(tmp_path.rglob("*")) == before  # nothing written anywhere
+    # Next to the source, not in it: converts.
+    result = convert(f"imagefolder:{photos}", str(tmp_path / "data"), shards=1)
+    assert result.summary["records"] == 4
+
+
+def test_a_data_dir_of_source_files_names_the_conversion_it_needs(tmp_path):
+    photos = _cats_and_dogs(tmp_path / "photos")
+    with pytest.raises(UsageError) as error:
+        schema_lib.read(str(photos))
+    message = str(error.value)
+    assert message.startswith(f"{photos} looks like a source, not a converted dataset")
+    assert (f"`python scripts/to_tfrecord.py --source=imagefolder:{photos} "
+            "--output=data/photos`, then pass --data_dir=data/photos") in message
+    assert f"--output={photos}" not in message
+    np.savez(tmp_path / "arrays.npz", x=np.zeros((2, 3)), y=np.zeros(2))
+    with pytest.raises(UsageError, match=re.escape(
+            f"--source=npz:{tmp_path / 'arrays.npz'} --output=data/arrays`")):
+        schema_lib.read(str(tmp_path))
+    (tmp_path / "empty").mkdir()  # no source files: the conversion may have been interrupted
+    with pytest.raises(UsageError, match="is not a finished tfspeed conversion"):
+        schema_lib.read(str(tmp_path / "empty"))
+
+
 def test_shard_counts_and_tasks():
     sizes = {"train": 100, "validation": 10, "test": 3}
     est = {"train": 300 << 20, "validation": 30 << 20, "test": 1}

@@ -106,6 +106,22 @@ def _make(tmp_path, case):
         (tmp_path / "out").mkdir()
         (tmp_path / "out" / "train-00000-of-00001.tfrecord").write_bytes(b"theirs")
         return ["--source=digits", out], f"{tmp_path / 'out'} holds another dataset"
+    if case == "output is the photo folder":
+        src = write_photos(tmp_path / "src", classes=2, per_class=1)
+        return [f"--source=imagefolder:{src}", f"--output={src}"], (
+            f"--output={src} is the source itself (--source=imagefolder:{src}): the shards would "
+            "mix with the source's files; write them to a separate directory, e.g. --output=data/src"
+        )
+    if case == "output inside the photo folder":
+        src = write_photos(tmp_path / "src", classes=2, per_class=1)
+        return [f"--source=imagefolder:{src}", f"--output={src / 'tfrecord'}"], (
+            f"--output={src / 'tfrecord'} lies inside the source"
+        )
+    if case == "output holds photos":
+        write_photos(tmp_path / "out", classes=1, per_class=1)
+        return ["--source=digits", out], (
+            f"{out} holds source files ({tmp_path / 'out' / 'class_0' / 'img_000.jpg'})"
+        )
     options = {
         "shards < 0": ("--shards=-1", "--shards=-1"),
         "fraction 1": ("--validation_fraction=1", "--validation_fraction=1"),
@@ -137,6 +153,9 @@ BAD_CASES = [
     "npz lengths differ",
     "tfds not prepared",
     "another dataset",
+    "output is the photo folder",
+    "output inside the photo folder",
+    "output holds photos",
     "shards < 0",
     "fraction 1",
     "workers 0",
@@ -266,4 +285,66 @@ def test_sigkill_mid_run_then_rerun_equals_an_uninterrupted_run(tmp_path, plan_l
     assert plan_lines - 1 <= resumed.summary["resumed_shards"] < 500
     convert("digits", str(clean), **args)
     assert _snapshot(out) == _snapshot(clean)
+    assert not [n for n in os.listdir(out) if ".tmp-" in n]
+
+
+def _children(pid):
+    """{pid: start time} of the live processes whose parent is ``pid`` (from /proc)."""
+    children = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        fields = _stat(entry)
+        if fields and fields[1] == str(pid):
+            children[int(entry)] = fields[19]
+    return children
+
+
+def _stat(pid):
+    """The fields of /proc/PID/stat after the command name (state first), or None if gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+
+
+def _alive(pid, start_time):
+    fields = _stat(pid)  # the same process (not a reused pid), and not a zombie
+    return fields is not None and fields[19] == start_time and fields[0] != "Z"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_sigkill_takes_the_workers_along_and_a_rerun_finishes(tmp_path):
+    """kill -9 of the converter: its worker processes end too, not wait on a pipe for ever."""
+    out, log = tmp_path / "out", tmp_path / "stderr.txt"
+    args = ["--source=digits", f"--output={out}", "--image_size=224", "--image_format=jpeg",
+            "--shards=32", "--workers=2", "--noprogress"]
+    with open(log, "w") as stderr:  # not a pipe: an orphaned worker would hold it open
+        process = subprocess.Popen([sys.executable, str(SCRIPT), *args], stdout=stderr,
+                                   stderr=stderr, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
+    plan = out / plan_lib.PLAN_FILE
+    deadline = time.monotonic() + 120
+    workers = {}
+    try:  # kill once a shard is finished, the workers started and the rest still to write
+        while not (workers and plan.exists() and len(plan.read_text().splitlines()) >= 2):
+            assert process.poll() is None and time.monotonic() < deadline, log.read_text()
+            workers = workers or _children(process.pid)
+            time.sleep(0.005)
+    finally:
+        process.send_signal(signal.SIGKILL)
+        process.wait()
+    assert process.returncode == -signal.SIGKILL
+    assert not (out / "schema.json").exists(), "the conversion ended too soon for this test"
+
+    deadline = time.monotonic() + 5
+    while any(_alive(*w) for w in workers.items()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    left = [pid for pid, start in workers.items() if _alive(pid, start)]
+    for pid in left:  # not to leave them to the next test
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"workers {left} outlived the killed converter"
+
+    resumed = convert("digits", str(out), image_size=224, image_format="jpeg", shards=32,
+                      workers=2)
+    assert resumed.summary["resumed_shards"] >= 1 and resumed.summary["records"] == 1797
+    assert (out / "schema.json").exists()
     assert not [n for n in os.listdir(out) if ".tmp-" in n]

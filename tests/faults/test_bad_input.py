@@ -97,27 +97,56 @@ def test_on_corrupt_flag_reaches_the_pipeline(digits_dir, tmp_path):
     assert _config(digits_dir, tmp_path, "--on_corrupt=fail").data.on_corrupt == "fail"
 
 
-def test_full_disk_for_model_dir(digits_dir, tmp_path):
-    """A real 40 KB tmpfs as --model_dir: the checkpoint cannot be written."""
-    mount = tmp_path / "tiny"
-    mount.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=40k", "tmpfs", str(mount)],
-                             capture_output=True).returncode == 0
+def _mount_tmpfs(path, options):
+    """Mounts a tmpfs at ``path`` (made here); False where this process may not mount."""
+    path.mkdir()
+    return subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)],
+                          capture_output=True).returncode == 0
+
+
+def _unwritable(tmp_path):
+    """A directory nothing can be written into, even by root; returns (it, mounted?).
+
+    A read-only tmpfs where mounting is allowed; else a read-only directory, and where that
+    is writable after all (root ignores permissions, as in tests/test_train.py) a path under
+    a regular file.
+    """
+    target = tmp_path / "read_only"
+    if _mount_tmpfs(target, "ro,size=40k"):
+        return target, True
+    target.chmod(0o500)
+    if os.access(target, os.W_OK):
+        target = tmp_path / "a_file"
+        target.write_text("")
+    return target, False
+
+
+@pytest.mark.parametrize("disk", ["full", "unwritable"])
+def test_model_dir_where_writes_fail(digits_dir, tmp_path, disk):
+    """A real 40 KB tmpfs as --model_dir (the checkpoint cannot be written), and a directory
+    that takes no write at all."""
+    if disk == "full":
+        target, mounted = tmp_path / "tiny", _mount_tmpfs(tmp_path / "tiny", "size=40k")
+        if not mounted:
+            pytest.skip("mounting a tmpfs needs root or CAP_SYS_ADMIN")
+    else:
+        target, mounted = _unwritable(tmp_path)
+        with pytest.raises(OSError):  # the write really fails, whoever runs this
+            (target / "run").mkdir()
     try:
-        target = mount if mounted else tmp_path / "read_only"
-        if not mounted:  # no mount rights here: a read-only directory is the other disk error
-            target.mkdir()
-            target.chmod(0o500)
         proc = _cli("--flagfile=pipelines/smoke.flags", f"--data_dir={digits_dir}",
                     f"--model_dir={target / 'run'}", "--checkpoint_every=2")
-        _one_line_error(proc, "--model_dir")
-        if mounted:
+        if disk == "full":
+            _one_line_error(proc, "--model_dir")
             assert "no space left on device" in proc.stderr
             assert not (target / "run" / "report.json").exists()
             assert not (target / "run" / "checkpoints" / "checkpoint").exists()
+        else:
+            _one_line_error(proc, f"--model_dir={target / 'run'} is not writable")
+            assert not (target / "run").exists()
     finally:
         if mounted:
-            subprocess.run(["umount", str(mount)], check=True)
+            subprocess.run(["umount", str(target)], check=True)
 
 
 @flagsaver.flagsaver

@@ -6,15 +6,20 @@ PIL, protobuf; never TensorFlow). A feeder thread hands the tasks
 left to the workers, one at a time, so whoever is free takes the next shard and a worker
 that started late simply writes fewer. Results reach the caller in this (main) thread only,
 between this process's own shards and at the end.
+
+Workers die with this process (`_die_with_parent`): a forked worker holds the write end of
+its own task pipe, so after a ``kill -9`` of the converter it would wait on that pipe forever.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import multiprocessing
+import os
 import queue
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 
 from tfspeed.convert.sources import Chunk
@@ -29,7 +34,9 @@ def start_pool(workers: int, warm: int) -> concurrent.futures.ProcessPoolExecuto
     measuring storage.
     """
     context = multiprocessing.get_context(start_method())
-    pool = concurrent.futures.ProcessPoolExecutor(workers, mp_context=context)
+    pool = concurrent.futures.ProcessPoolExecutor(
+        workers, mp_context=context, initializer=_die_with_parent, initargs=(os.getpid(),)
+    )
     for _ in range(min(warm, workers)):
         pool.submit(keep_freed_memory)  # each submit starts a process while none is idle
     return pool
@@ -48,6 +55,28 @@ def start_method() -> str:
     safe = (sys.platform.startswith("linux") and "tensorflow" not in sys.modules
             and threading.active_count() == 1)
     return "fork" if safe else "spawn"
+
+
+# How often a worker checks that the converter still lives: the longest an orphan outlives it.
+_PARENT_CHECK_S = 0.2
+
+
+def _die_with_parent(parent: int) -> None:
+    """Ends this worker process soon after ``parent`` (the converter) ends, however it ended.
+
+    Not ``prctl(PR_SET_PDEATHSIG)``: Linux sends that signal when the *thread* that started the
+    worker ends, and spawned workers are started by whichever thread submits (here the
+    feeder thread, which ends before the pool does). A thread that polls ``getppid()`` costs
+    microseconds a check, works on every platform, and also catches a parent that died
+    before this ran (``getppid()`` is then already another process).
+    """
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(_PARENT_CHECK_S)
+        os._exit(1)  # no cleanup: the rerun deletes the shard this worker left half-written
+
+    threading.Thread(target=watch, name="die-with-parent", daemon=True).start()
 
 
 def write_shards(

@@ -10,6 +10,7 @@ from collections.abc import Iterable, Iterator
 
 import numpy as np
 
+from tfspeed.convert.source_files import IMAGE_EXTENSIONS
 from tfspeed.convert.sources.arrays import array_source
 from tfspeed.convert.sources.base import (
     IMAGE,
@@ -26,7 +27,6 @@ from tfspeed.convert.sources.base import (
 from tfspeed.convert.sources.encoding import ImageStorage, image_or_skip
 from tfspeed.errors import UsageError
 
-IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff")
 _SPLIT_DIRS = {"train": "train", "val": "validation", "valid": "validation", "test": "test"}
 _SPLIT_DIRS["validation"] = "validation"
 
