@@ -4,8 +4,20 @@
   python scripts/to_tfrecord.py --source=imagefolder:/data/photos --output=/data/tfr --image_size=224
   python scripts/to_tfrecord.py --source=imagefolder:/data/photos --output=/data/tfr --runner=beam \
       --beam_options="--direct_num_workers=8 --direct_running_mode=multi_processing"
+  python scripts/to_tfrecord.py --source=pystdlib --output=data/pystdlib --tokenizer=bpe:8000 \
+      --max_length=512 --long=split
+  python scripts/to_tfrecord.py --source=textfolder:/data/reviews --output=/data/tfr \
+      --tokenizer=/models/tokenizer.json
+  python scripts/to_tfrecord.py --source=jsonl:/data/docs.jsonl --output=/data/lm --task=lm
 
 Sources: imagefolder:PATH, csv:PATH, npz:PATH, tfds:NAME (prepared in --tfds_data_dir), digits.
+Text sources: textfolder:PATH (PATH/[<split>/]<class>/<one UTF-8 text per file>), jsonl:PATH
+(--text_field, --label_field), csv:PATH with --text_column, and pystdlib[:PACKAGES] (Python's
+standard library source, one text per top-level function or class, its package the class: a
+real corpus that needs no download). Texts are tokenised once, here, by the worker processes;
+records hold `tokens` (int64 ids, any length) and `label`, or only `tokens` with --task=lm
+(between bos and eos). Files that are not UTF-8 text, binary files and empty texts are skipped
+and counted in schema.json; so are texts over --max_length with --long=skip.
 Rerunning an interrupted command resumes it; rerunning a finished one returns at once.
 """
 
@@ -98,9 +110,33 @@ _RAW_BUDGET_MB = flags.DEFINE_float(
     flag_values=_FLAGS,
 )
 _TASK = flags.DEFINE_enum(
-    "task", "classification", ["classification", "regression"],
-    "csv/npz: the labels are classes, or numbers to predict (regression; stored as float).",
+    "task", "classification", ["classification", "regression", "lm"],
+    "csv/npz: the labels are classes, or numbers to predict (regression; stored as float). "
+    "Text: classification (when there are labels) or lm (causal language modelling: records "
+    "hold only tokens, bos and eos added).",
     flag_values=_FLAGS)
+_TEXT = sources.TextOptions()  # the text flags' defaults
+_TOKENIZER = flags.DEFINE_string(
+    "tokenizer", _TEXT.tokenizer, "Text: bpe:N trains a byte-level BPE of N ids (<pad>=0, <unk>, "
+    "<bos>, <eos>) on the train split; or the path of a tokenizer.json (HF tokenizers) or a "
+    "SentencePiece .model. Saved beside schema.json.", flag_values=_FLAGS)
+_MAX_LENGTH = flags.DEFINE_integer(
+    "max_length", _TEXT.max_length, "Text: the most tokens per record (bos/eos included), >= 2; "
+    "0 = no limit.", flag_values=_FLAGS)
+_LONG = flags.DEFINE_enum(
+    "long", _TEXT.long, ["truncate", "split", "skip"], "Text: a text over --max_length is cut "
+    "(truncate), made into several records (split) or skipped; each counted.", flag_values=_FLAGS)
+_TEXT_FIELD = flags.DEFINE_string(
+    "text_field", _TEXT.text_field, "jsonl: the field holding the text.", flag_values=_FLAGS)
+_LABEL_FIELD = flags.DEFINE_string(
+    "label_field", _TEXT.label_field, "jsonl: the field holding the label (none: --task=lm).",
+    flag_values=_FLAGS)
+_TEXT_COLUMN = flags.DEFINE_string(
+    "text_column", _TEXT.text_column, "csv: the column holding a text to tokenise (the label "
+    "column as --label_column; other columns numeric, stored as `features`).", flag_values=_FLAGS)
+_MAX_ITEMS = flags.DEFINE_integer(
+    "max_items", _TEXT.max_items, "Text: convert only this many items (a seeded sample, e.g. "
+    "for a quick run); 0 = all.", flag_values=_FLAGS)
 _NAMED_COLUMNS = flags.DEFINE_bool(
     "named_columns", False, "csv: each feature column is a named model input of shape (1,), "
     "instead of one vector 'features'.", flag_values=_FLAGS)
@@ -152,6 +188,15 @@ def _main(argv: list[str]) -> int:
         label_column=_LABEL_COLUMN.value,
         task=_TASK.value,
         named_columns=_NAMED_COLUMNS.value,
+        text=sources.TextOptions(
+            tokenizer=_TOKENIZER.value,
+            max_length=_MAX_LENGTH.value,
+            long=_LONG.value,
+            text_field=_TEXT_FIELD.value,
+            label_field=_LABEL_FIELD.value,
+            text_column=_TEXT_COLUMN.value,
+            max_items=_MAX_ITEMS.value,
+        ),
         tfds_data_dir=_TFDS_DATA_DIR.value,
         overwrite=_OVERWRITE.value,
         progress=_PROGRESS.value,
@@ -218,5 +263,14 @@ def summary_line(result: ConvertResult) -> str:
     return (
         f"converted {schema.source} into {result.output}: {s['records']} records ({splits}), "
         f"{s['bytes'] / 1e6:.1f} MB, {s['skipped']} skipped, {s['seconds']:.1f} s "
-        f"({s['records_per_sec']:.0f} records/s){resumed}"
+        f"({s['records_per_sec']:.0f} records/s){_text_counts(s)}{resumed}"
     )
+
+
+def _text_counts(summary: dict) -> str:
+    """The token count and long-text events of a text conversion, for the summary line."""
+    t = summary.get("text")
+    if not t:
+        return ""
+    return (f"; {t['tokens']} tokens, {t['truncated']} truncated, {t['split_into']} split, "
+            f"{t['skipped_long']} skipped as too long")

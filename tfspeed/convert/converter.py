@@ -1,6 +1,8 @@
 """Converts a dataset into TFRecord shards plus ``schema.json``: `convert()`.
 
-Sources: imagefolder:PATH, csv:PATH, npz:PATH, tfds:NAME (prepared in --tfds_data_dir), digits.
+Sources: imagefolder:PATH, csv:PATH, npz:PATH, tfds:NAME (prepared in --tfds_data_dir), digits;
+text (tokenised here, see `tfspeed.convert.sources.text`): textfolder:PATH, jsonl:PATH, csv:PATH
+with a text column, pystdlib.
 Rerunning an interrupted conversion resumes it; rerunning a finished one returns at once.
 The command line over it is `tfspeed.convert.cli`.
 """
@@ -20,8 +22,9 @@ from absl import logging
 
 from tfspeed import locks
 from tfspeed.convert import plan as plan_lib
-from tfspeed.convert import runners, sources, writer
+from tfspeed.convert import runners, source_files, sources, writer
 from tfspeed.convert import storage as storage_lib
+from tfspeed.convert.sources import lengths
 from tfspeed.data.schema import Schema, Split, names_of
 from tfspeed.errors import UsageError
 
@@ -68,6 +71,7 @@ def convert(
     tfds_data_dir: str | None = None,
     task: str = "classification",
     named_columns: bool = False,
+    text: sources.TextOptions | None = None,
     overwrite: bool = False,
     progress: bool = False,
 ) -> ConvertResult:
@@ -96,6 +100,10 @@ def convert(
       raw_budget_mb: the largest raw dataset auto picks raw for; None = a quarter of RAM.
       label_column: the CSV column holding the labels.
       tfds_data_dir: where a ``tfds:`` dataset was prepared (TFDS' default if None).
+      task: ``classification``, ``regression`` (csv, npz) or ``lm`` (text: token ids only).
+      named_columns: each CSV column is a named model input.
+      text: the options of a text source (tokeniser, --max_length, --long, fields); None =
+        the defaults (`sources.TextOptions`).
       overwrite: replace another dataset's files in ``output`` (only ours: shards, schema.json,
         plan and temporary files).
       progress: show a progress bar (on a terminal).
@@ -115,6 +123,8 @@ def convert(
         tfds_data_dir,
         task,
         named_columns,
+        # The workers load the tokeniser from the output directory.
+        text=dataclasses.replace(text or sources.TextOptions(), data_dir=os.path.abspath(output)),
     )
     budget = storage_lib.default_raw_budget_mb() if raw_budget_mb is None else raw_budget_mb
     _check_options(shards, target_shard_mb, workers, budget, options)
@@ -128,6 +138,7 @@ def convert(
     with shard_runner.started(shards or writer.MIN_SHARDS):
         src = sources.open_source(source, options)
         _check_images(source, src, options)
+        source_files.check_output(output, source)  # shards never mix with source files
         _make_dir(output)
         layout = _Layout(source, src, options, shards, target_shard_mb)
         # Two conversions into one directory would delete each other's shards as strays.
@@ -151,9 +162,11 @@ def _run(
     plan = plan_lib.Plan(output, job.template.fingerprint, files, job.template.storage)
     finished = None if overwrite else plan.finished()
     if finished:
+        _save_files(output, layout.src.files)  # the directory is this conversion's
         summary = _summary(finished, time.perf_counter() - start, len(job.tasks), written=0)
         return ConvertResult(finished, summary, output, already_converted=True)
     results = plan.prepare(overwrite)
+    _save_files(output, layout.src.files)
     kept = len(results)
     written = _write_missing(plan, job, results, runner, progress)
     splits = _splits(layout.src.splits, job.tasks, results)
@@ -206,7 +219,7 @@ class _Layout:
         template = Schema(
             features=names_of(src.features_with(image_format)),
             inputs=src.inputs,
-            label="label",
+            label="label" if any(f.name == "label" for f in src.features) else "",
             class_names=src.class_names,
             splits={},
             source=self.source,
@@ -214,6 +227,7 @@ class _Layout:
             fingerprint=_fingerprint(self.source, src.identity, shaping, counts),
             stats=src.stats,
             storage=storage,
+            text=src.text,
         )
         make_chunk = functools.partial(src.make_chunk, storage=image)
         return _Job(template, writer.plan_tasks(src.splits, counts), make_chunk)
@@ -315,7 +329,8 @@ def _splits(sizes, tasks, results) -> dict[str, Split]:
                 min(r.min_image_side for r in with_images),
                 max(r.max_image_side for r in with_images),
             )
-        splits[split] = Split(split, tuple(r.to_shard() for r in shards), skipped, sides)
+        text = lengths.split_stats([r.text for r in shards])
+        splits[split] = Split(split, tuple(r.to_shard() for r in shards), skipped, sides, text)
     return splits
 
 
@@ -342,6 +357,7 @@ def _summary(schema: Schema, seconds: float, resumed: int, written: int) -> dict
         "shards": {name: len(split.shards) for name, split in schema.splits.items()},
         "skipped": sum(len(split.skipped) for split in schema.splits.values()),
         "resumed_shards": resumed,
+        **({"text": lengths.totals(s.text for s in schema.splits.values())} if schema.text else {}),
     }
 
 
@@ -366,8 +382,8 @@ def _check_options(
          f"{', '.join(formats)}"),
         (not budget_mb >= 0, f"--raw_budget_mb={budget_mb}: must be >= 0 (0 = never raw for auto)"),
         (not o.label_column, "--label_column is empty: name the CSV column holding the labels"),
-        (o.task not in ("classification", "regression"), f"--task={o.task}: use "
-         "classification or regression"),
+        (o.task not in ("classification", "regression", "lm"), f"--task={o.task}: use "
+         "classification, regression or lm"),
     ]  # fmt: skip
     for bad, message in problems:
         if bad:
@@ -402,6 +418,18 @@ def _check_images(source: str, src: sources.Source, o: sources.SourceOptions) ->
             "vary: add --image_size=N (e.g. --image_size=224), or store them as "
             "--image_format=jpeg"
         )
+
+
+def _save_files(output: str, files: dict[str, bytes]) -> None:
+    """Saves a source's files (a text source's tokeniser) beside the shards, atomically."""
+    for name, data in files.items():
+        path = os.path.join(output, name)
+        tmp = f"{path}.tmp-{os.getpid()}"
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
 
 
 def _make_dir(output: str) -> None:

@@ -97,6 +97,11 @@ def fill(proto, feature: Feature, value: Any) -> None:
         proto.bytes_list.value.append(bytes(value))
         return
     array = np.asarray(value, dtype=feature.dtype)
+    if feature.encoding == "tokens":  # any length
+        if array.ndim != 1:
+            raise ValueError(f"feature {feature.name!r}: token ids of shape {array.shape}, not 1-D")
+        proto.int64_list.value.extend(array.tolist())
+        return
     if array.shape != tuple(feature.shape):
         raise ValueError(
             f"feature {feature.name!r}: value of shape {array.shape}, schema says {feature.shape}"

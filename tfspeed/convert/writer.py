@@ -22,7 +22,7 @@ import os
 from collections.abc import Callable, Mapping
 
 from tfspeed.convert import example
-from tfspeed.convert.sources import Chunk, Skip, StoredImage
+from tfspeed.convert.sources import Chunk, Skip, StoredImage, lengths
 from tfspeed.data import integrity
 from tfspeed.data import schema as schema_lib
 
@@ -43,8 +43,8 @@ class ShardTask:
 
 @dataclasses.dataclass(frozen=True)
 class ShardResult:
-    """A finished shard, the source items it skipped, and its images' shortest and longest
-    side (0 without images)."""
+    """A finished shard, the source items it skipped, its images' shortest and longest
+    side (0 without images), and its texts' token counts (`lengths.ShardLengths.result`)."""
 
     file: str
     num_records: int
@@ -53,6 +53,7 @@ class ShardResult:
     skipped: tuple[dict, ...] = ()
     min_image_side: int = 0
     max_image_side: int = 0
+    text: dict = dataclasses.field(default_factory=dict)
 
     def to_shard(self) -> schema_lib.Shard:
         return schema_lib.Shard(self.file, self.num_records, self.num_bytes, self.sha256)
@@ -114,15 +115,16 @@ def write_shard(
     """
     keep_freed_memory()
     tmp = os.path.join(out_dir, f".{file}.tmp-{os.getpid()}")
-    skipped, count, size, sides = [], 0, 0, _Sides()
+    skipped, count, size, sides, texts = [], 0, 0, _Sides(), lengths.ShardLengths()
     digest = hashlib.sha256()  # of the bytes as written: no second pass over the file
     try:
         with open(tmp, "wb") as f:
             for record in chunk.records():
                 if isinstance(record, Skip):
                     skipped.append(record.to_json())
+                    texts.skip(record)
                 else:
-                    record = sides.unwrap(record)
+                    record = texts.unwrap(sides.unwrap(record))
                     framed = integrity.frame(example.serialize(template.features, record))
                     f.write(framed)
                     digest.update(framed)
@@ -138,7 +140,8 @@ def write_shard(
             os.remove(tmp)
         raise
     fsync_dir(out_dir)
-    return ShardResult(file, count, size, digest.hexdigest(), tuple(skipped), *sides.range())
+    return ShardResult(file, count, size, digest.hexdigest(), tuple(skipped), *sides.range(),
+                       texts.result())
 
 
 @functools.cache

@@ -10,6 +10,12 @@ Feature encodings:
   ``raw``: ``ndarray.tobytes()`` (little-endian) in a bytes feature; fixed shape.
   ``float``: a float_list of fixed shape (tabular features).
   ``int``: an int64_list of fixed shape (labels are ``int`` with shape ``[]``).
+  ``tokens``: an int64_list of any length (token ids of a text), dtype int64, shape
+    ``(None,)``; parsed as a ``tf.io.RaggedFeature``: one 1-D tensor per record.
+
+A text dataset's ``schema.json`` also has a ``text`` section (tokeniser file and kind,
+vocabulary size, special ids, task, max_length and long policy) and, per split, a ``text``
+entry: token-count statistics and histogram, and the truncated, split and skipped counts.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from tfspeed.errors import UsageError
 
 FORMAT_VERSION = 1
 SCHEMA_FILE = "schema.json"
-ENCODINGS = ("jpeg", "png", "raw", "float", "int")
+ENCODINGS = ("jpeg", "png", "raw", "float", "int", "tokens")
 DTYPES = ("uint8", "float32", "int64")
 
 
@@ -56,7 +62,9 @@ class Feature:
             raise ValueError(f"feature {self.name!r}: unknown encoding {self.encoding!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"feature {self.name!r}: unknown dtype {self.dtype!r}")
-        if self.encoding not in ("jpeg", "png") and None in self.shape:
+        if self.encoding == "tokens" and (self.dtype, tuple(self.shape)) != ("int64", (None,)):
+            raise ValueError(f"feature {self.name!r}: tokens are int64 of shape (None,)")
+        if self.encoding not in ("jpeg", "png", "tokens") and None in self.shape:
             raise ValueError(f"feature {self.name!r}: {self.encoding} needs a fixed shape")
 
     @property
@@ -64,9 +72,12 @@ class Feature:
         return self.encoding in ("jpeg", "png")
 
     def parse_spec(self):
-        """The ``tf.io.FixedLenFeature`` that parses this feature (before decoding)."""
+        """The ``tf.io.FixedLenFeature`` that parses this feature (before decoding), or for
+        ``tokens`` a ``tf.io.RaggedFeature`` (a 1-D tensor per record, ragged per batch)."""
         import tensorflow as tf
 
+        if self.encoding == "tokens":
+            return tf.io.RaggedFeature(tf.int64, row_splits_dtype=tf.int64)
         if self.encoding in ("jpeg", "png", "raw"):
             return tf.io.FixedLenFeature([], tf.string)
         if self.encoding == "float":
@@ -105,6 +116,7 @@ class Split:
     shards: tuple[Shard, ...]
     skipped: tuple[dict, ...] = ()
     image_sides: tuple[int, int] | None = None
+    text: Mapping[str, Any] | None = None  # token counts (tfspeed.convert.sources.lengths)
 
     @property
     def num_records(self) -> int:
@@ -119,6 +131,8 @@ class Split:
         }
         if self.image_sides:
             d["image_sides"] = {"min": self.image_sides[0], "max": self.image_sides[1]}
+        if self.text is not None:
+            d["text"] = dict(self.text)
         return d
 
     @classmethod
@@ -126,7 +140,7 @@ class Split:
         shards = tuple(Shard(**s) for s in d["shards"])
         sides = d.get("image_sides")
         sides = (sides["min"], sides["max"]) if sides else None
-        return cls(name, shards, tuple(d.get("skipped", ())), sides)
+        return cls(name, shards, tuple(d.get("skipped", ())), sides, d.get("text"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,6 +163,9 @@ class Schema:
       storage: how the images are stored and why, e.g. ``{"image_format": "raw",
         "requested": "auto", "reason": "...", "read_ms": ..., "decode_ms": ...}``; empty
         without images.
+      text: a text dataset's tokeniser and limits: ``task`` (``classification`` or ``lm``),
+        ``tokenizer`` (``file`` beside schema.json, ``kind``, ``vocab_size``,
+        ``special_ids``), ``max_length``, ``long``; empty without text.
     """
 
     features: Mapping[str, Feature]
@@ -162,6 +179,7 @@ class Schema:
     stats: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     storage: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     format_version: int = FORMAT_VERSION
+    text: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     @property
     def num_classes(self) -> int:
@@ -169,12 +187,17 @@ class Schema:
 
     @property
     def task(self) -> str:
-        """``classification`` (integer class labels) or ``regression`` (float targets)."""
+        """``classification`` (integer class labels), ``regression`` (float targets) or
+        ``lm`` (language modelling: token ids only)."""
+        if self.text.get("task") == "lm":
+            return "lm"
         return "regression" if self.features[self.label].dtype == "float32" else "classification"
 
     @property
     def num_outputs(self) -> int:
-        """The outputs a model needs: the classes, or the regression targets."""
+        """The outputs a model needs: the classes, the regression targets or the vocabulary."""
+        if self.task == "lm":
+            return int(self.text["tokenizer"]["vocab_size"])
         if self.task == "regression":
             shape = self.features[self.label].shape
             return int(shape[0]) if shape else 1
@@ -223,6 +246,7 @@ class Schema:
             "fingerprint": self.fingerprint,
             "stats": dict(self.stats),
             "storage": dict(self.storage),
+            **({"text": dict(self.text)} if self.text else {}),
         }
 
     @classmethod
@@ -239,6 +263,7 @@ class Schema:
             stats=d.get("stats", {}),
             storage=d.get("storage", {}),
             format_version=d["format_version"],
+            text=d.get("text", {}),
         )
 
     def write(self, data_dir: str) -> str:
@@ -257,6 +282,18 @@ def read(data_dir: str) -> Schema:
             f"`python scripts/to_tfrecord.py --source=KIND:PATH --output={data_dir}`"
         )
     if not os.path.exists(path):
+        # Only on this error path: the write side knows what source files look like.
+        from tfspeed.convert import source_files
+
+        found = source_files.find(data_dir)
+        if found:
+            out = source_files.separate_output(found.path)
+            raise UsageError(
+                f"{data_dir} looks like a source, not a converted dataset: it holds "
+                f"{found.example} and no {SCHEMA_FILE}; convert it into a separate directory "
+                f"with `python scripts/to_tfrecord.py --source={found.spec} --output={out}`, "
+                f"then pass --data_dir={out}"
+            )
         raise UsageError(
             f"{path} not found: {data_dir} is not a finished tfspeed conversion; run "
             f"`python scripts/to_tfrecord.py --source=KIND:PATH --output={data_dir}` "

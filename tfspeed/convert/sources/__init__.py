@@ -5,7 +5,8 @@ has, and hands out chunks: picklable slices of a split that a writer process tur
 records. Listing happens once, in the parent; reading and encoding happen in the chunks,
 so they run in parallel, one chunk per shard.
 
-Kinds: ``imagefolder:PATH``, ``csv:PATH``, ``npz:PATH``, ``tfds:NAME``, ``digits``.
+Kinds: ``imagefolder:PATH``, ``csv:PATH``, ``npz:PATH``, ``tfds:NAME``, ``digits``; text:
+``textfolder:PATH``, ``jsonl:PATH``, ``csv:PATH`` with ``--text_column``, ``pystdlib``.
 
   base.py      Source, Chunk, Skip, SourceOptions; split and identity helpers
   encoding.py  how images are stored: ImageStorage (jpeg, png, raw; resized), or a Skip
@@ -14,14 +15,26 @@ Kinds: ``imagefolder:PATH``, ``csv:PATH``, ``npz:PATH``, ``tfds:NAME``, ``digits
   images.py    imagefolder, digits
   tables.py    csv, npz
   tfds.py      tfds
+  text.py      textfolder, jsonl, csv with a text column, pystdlib: tokenised in the chunks
+  lengths.py   token ids and skipped texts as chunks yield them; token counts per shard, split
+  pystdlib.py  the pystdlib corpus: Python's standard library, one text per function/class
 """
 
 from __future__ import annotations
 
 import os
 
+from tfspeed.convert.sources import text
 from tfspeed.convert.sources.arrays import ArrayChunk
-from tfspeed.convert.sources.base import IMAGE, Chunk, Skip, Source, SourceOptions, StoredImage
+from tfspeed.convert.sources.base import (
+    IMAGE,
+    Chunk,
+    Skip,
+    Source,
+    SourceOptions,
+    StoredImage,
+    TextOptions,
+)
 from tfspeed.convert.sources.encoding import FORMATS, JPEG_QUALITY, ImageStorage
 from tfspeed.convert.sources.images import (
     IMAGE_EXTENSIONS,
@@ -30,6 +43,7 @@ from tfspeed.convert.sources.images import (
     open_imagefolder,
 )
 from tfspeed.convert.sources.tables import open_csv, open_npz
+from tfspeed.convert.sources.text import open_csv_text, open_jsonl, open_pystdlib, open_textfolder
 from tfspeed.convert.sources.tfds import TfdsChunk, open_tfds
 from tfspeed.errors import UsageError
 
@@ -47,17 +61,22 @@ __all__ = [
     "Source",
     "SourceOptions",
     "StoredImage",
+    "TextOptions",
     "TfdsChunk",
     "open_source",
 ]
 
-KINDS = ("imagefolder:PATH", "csv:PATH", "npz:PATH", "tfds:NAME", "digits")
+KINDS = ("imagefolder:PATH", "csv:PATH", "npz:PATH", "tfds:NAME", "digits", "textfolder:PATH",
+         "jsonl:PATH", "pystdlib[:PACKAGES]")
 _OPENERS = {
     "imagefolder": open_imagefolder,
     "csv": open_csv,
     "npz": open_npz,
     "tfds": open_tfds,
     "digits": open_digits,
+    "textfolder": open_textfolder,
+    "jsonl": open_jsonl,
+    "pystdlib": open_pystdlib,
 }
 
 
@@ -76,11 +95,14 @@ def open_source(spec: str, options: SourceOptions) -> Source:
         raise UsageError(
             f"unknown source kind {kind!r} in --source={spec}; use one of {', '.join(KINDS)}"
         )
-    if kind in ("imagefolder", "csv", "npz"):
+    if kind in ("imagefolder", "csv", "npz", "textfolder", "jsonl"):
         if not arg:
             raise UsageError(f"--source={spec} names no path; write --source={kind}:PATH")
         if not os.path.exists(arg):
             raise UsageError(f"source path {arg} does not exist; fix the path in --source={spec}")
     if kind == "tfds" and not arg:
         raise UsageError(f"--source={spec} names no dataset; write --source=tfds:NAME")
+    text.check_options(kind, spec, options)
+    if kind == "csv" and options.text and options.text.text_column:
+        return open_csv_text(arg, options)
     return _OPENERS[kind](arg, options)

@@ -36,6 +36,35 @@ class SourceOptions:
     tfds_data_dir: str | None = None
     task: str = "classification"
     named_columns: bool = False
+    text: TextOptions | None = None  # text sources (textfolder, jsonl, csv text, pystdlib)
+
+
+@dataclasses.dataclass(frozen=True)
+class TextOptions:
+    """The converter options of text sources (see `tfspeed.convert.sources.text`).
+
+    Attributes:
+      tokenizer: ``bpe:N`` (train a byte-level BPE of N ids on the train split) or the path
+        of a ``tokenizer.json`` (HF tokenizers) or SentencePiece ``.model``.
+      max_length: the most tokens a record holds (bos/eos included); 0 = no limit.
+      long: what happens to a longer text: ``truncate``, ``split`` (several records) or
+        ``skip``.
+      text_field: the JSON field holding the text (``jsonl:``).
+      label_field: the JSON field holding the label (``jsonl:``); empty = no labels.
+      text_column: the CSV column holding the text (``csv:``); empty = a numeric CSV.
+      max_items: use only this many items, a seeded sample in source order; 0 = all.
+      data_dir: the output directory, where the workers find the tokeniser (not an option
+        that shapes the records: the converter sets it).
+    """
+
+    tokenizer: str = "bpe:8000"
+    max_length: int = 0
+    long: str = "truncate"
+    text_field: str = "text"
+    label_field: str = ""
+    text_column: str = ""
+    max_items: int = 0
+    data_dir: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +117,9 @@ class Source:
       image_shape: the shape of the stored ``image`` feature, ``None`` where sides vary;
         None for a source without images.
       stats: per-feature mean/std of the train split for numeric features.
+      text: a text source's ``text`` section of ``schema.json`` (tokeniser, task, limits).
+      files: name -> bytes of files the converter saves beside ``schema.json`` before the
+        shards (a text source's tokeniser, which the workers load from there).
     """
 
     features: tuple[Feature, ...]
@@ -100,6 +132,8 @@ class Source:
     make_chunk: Callable[..., Chunk]
     image_shape: tuple[int | None, ...] | None = None
     stats: dict[str, Any] = dataclasses.field(default_factory=dict)
+    text: dict[str, Any] = dataclasses.field(default_factory=dict)
+    files: dict[str, bytes] = dataclasses.field(default_factory=dict)
 
     def features_with(self, image_format: str) -> tuple[Feature, ...]:
         """All the record's features, the image (if any) first, stored as ``image_format``."""

@@ -1,0 +1,422 @@
+"""Text sources: ``textfolder:PATH``, ``jsonl:PATH``, ``csv:PATH`` with ``--text_column``, and
+``pystdlib[:CLASSES]`` (Python's own standard library source, `pystdlib`).
+
+Each item is tokenised in the chunks, so in the writer workers, with a tokeniser trained or
+loaded here, in the parent (`tfspeed.convert.tokenizer`). A record holds ``tokens`` (int64
+ids, variable length) and, for classification, ``label``; for ``--task=lm`` only ``tokens``,
+between the tokeniser's bos and eos. Texts over ``--max_length`` tokens are truncated, split
+into several records or skipped (``--long``). Items that are no text (not UTF-8, NUL bytes,
+empty) are skipped and counted, like undecodable images.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+
+from tfspeed.convert import tokenizer as tokenizer_lib
+from tfspeed.convert.sources import images, pystdlib, tables
+from tfspeed.convert.sources.base import (
+    LABEL,
+    Chunk,
+    Skip,
+    Source,
+    SourceOptions,
+    TextOptions,
+    content_hash,
+    file_identity,
+    ordered_splits,
+    train_validation,
+)
+from tfspeed.convert.sources.lengths import SKIPPED_LONG, TextSkip, TokenIds
+from tfspeed.data.schema import Feature, standardize_stats
+from tfspeed.errors import UsageError
+
+TOKENS = Feature("tokens", "int64", (None,), "tokens")
+LONG = ("truncate", "split", "skip")
+KINDS = ("textfolder", "jsonl", "pystdlib")
+
+
+@dataclasses.dataclass(frozen=True)
+class Encoding:
+    """How a chunk turns a text into records (picklable: it travels to the workers)."""
+
+    tokenizer: tokenizer_lib.TokenizerRef
+    task: str
+    max_length: int
+    long: str
+    bos: int | None
+    eos: int | None
+
+    def records(self, name: str, text: str, extra: dict) -> Iterator[dict | Skip]:
+        """The records of one text (one, or several with ``--long=split``), or a skip."""
+        ids = self.tokenizer.load().encode(text)
+        if self.task == "lm":
+            ids = np.concatenate([[self.bos], ids, [self.eos]]).astype(np.int64)
+        m = self.max_length
+        if not m or len(ids) <= m:
+            yield {"tokens": TokenIds(ids), **extra}
+        elif self.long == "skip":
+            yield TextSkip(
+                name, f"{len(ids)} tokens, over --max_length={m} (--long=skip)", SKIPPED_LONG
+            )
+        elif self.long == "truncate":
+            yield {"tokens": TokenIds(ids[:m], truncated=True), **extra}
+        else:
+            # For lm the pieces overlap by one token: every next-token pair stays in a piece.
+            stride = m - 1 if self.task == "lm" else m
+            starts = range(0, len(ids) - (self.task == "lm"), stride)
+            for part, start in enumerate(starts):
+                yield {
+                    "tokens": TokenIds(ids[start : start + m], part=part, parts=len(starts)),
+                    **extra,
+                }
+
+
+@dataclasses.dataclass(frozen=True)
+class TextChunk:
+    """Texts (or text files under ``root``) with their labels, tokenised by ``encoding``.
+
+    ``items`` are ``(name, text, label)``; ``text`` None means the file ``root/name``.
+    ``extra`` holds other features, one row per item (a CSV's numeric columns).
+    """
+
+    items: tuple[tuple[str, str | None, int], ...]
+    encoding: Encoding
+    root: str = ""
+    extra: dict = dataclasses.field(default_factory=dict)
+
+    def records(self) -> Iterator[dict | Skip]:
+        for i, (name, text, label) in enumerate(self.items):
+            text = read_text(os.path.join(self.root, name), name) if text is None else text
+            text = checked(name, text)
+            if isinstance(text, Skip):
+                yield text
+                continue
+            extra = {k: v[i] for k, v in self.extra.items()}
+            if self.encoding.task != "lm":
+                extra["label"] = label
+            yield from self.encoding.records(name, text, extra)
+
+
+def read_text(path: str, name: str) -> str | TextSkip:
+    """The UTF-8 text of the file at ``path``, or why it is no text."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        return TextSkip(name, f"cannot read it: {e.strerror}", "unreadable")
+    if b"\0" in data:
+        return TextSkip(name, "a binary file (NUL bytes), not text", "binary")
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        return TextSkip(
+            name, f"not UTF-8 text (byte {e.start}: {e.reason}); save it as UTF-8", "not_utf8"
+        )
+
+
+def checked(name: str, text: str | TextSkip) -> str | TextSkip:
+    """``text``, or a skip if it is empty (or whitespace only)."""
+    if isinstance(text, str) and not text.strip():
+        return TextSkip(name, "an empty text", "empty")
+    return text
+
+
+# ---------------------------------------------------------------- the sources
+
+
+def open_textfolder(root: str, opts: SourceOptions) -> Source:
+    """Lists ``root/[<split>/]<class>/<text files>`` as imagefolder does its images."""
+    if not os.path.isdir(root):
+        raise UsageError(f"{root} is not a folder; textfolder:PATH needs PATH/<class>/<files>")
+    listing = {
+        s: images._list_class_files(os.path.join(root, d), root)
+        for s, d in images._split_dirs(root).items()
+    }
+    class_names = tuple(sorted({c for classes in listing.values() for c in classes}))
+    if not class_names:
+        raise UsageError(
+            f"{root} has no class folders; put texts in {root}/<class>/ (one "
+            "UTF-8 file per text, one folder per class)"
+        )
+    ids = {name: i for i, name in enumerate(class_names)}
+    files = {
+        s: sorted((rel, None, ids[c], st.st_size, 0) for c, fs in classes.items() for rel, st in fs)
+        for s, classes in listing.items()
+    }
+    if not any(files.values()):
+        raise UsageError(f"the class folders in {root} hold no files; put texts in {root}/<class>/")
+    stats = sorted(
+        [rel, size, os.stat(os.path.join(root, rel)).st_mtime_ns]
+        for fs in files.values()
+        for rel, _, _, size, _ in fs
+    )
+    if "" in files:
+        items = _split(files[""], opts)
+    else:
+        items = {
+            s: [fs[i] for i in images._shuffled(len(fs), opts.seed, s)] for s, fs in files.items()
+        }
+    return text_source(items, class_names, content_hash(stats), {}, opts, root=root)
+
+
+def open_jsonl(path: str, opts: SourceOptions) -> Source:
+    """One JSON object per line: the text in ``--text_field``, the label in ``--label_field``."""
+    t = _text(opts)
+    texts, labels = [], []
+    for line_no, obj in _json_lines(path):
+        text = obj.get(t.text_field) if isinstance(obj, dict) else None
+        if not isinstance(text, str):
+            raise UsageError(
+                f"{path} line {line_no} has no string field {t.text_field!r}; "
+                "every line needs one (or pass --text_field=NAME)"
+            )
+        texts.append(text)
+        if t.label_field:
+            if obj.get(t.label_field) in (None, ""):
+                raise UsageError(
+                    f"{path} line {line_no} has no label {t.label_field!r}; every "
+                    "line needs one, or drop --label_field (for --task=lm)"
+                )
+            labels.append(str(obj[t.label_field]))
+    y, class_names = tables._encode_labels(labels) if labels else (None, ())
+    base = os.path.basename(path)
+    items = [
+        (f"{base}:{i}", text, int(y[i - 1]) if y is not None else -1)
+        for i, text in enumerate(texts, start=1)
+    ]
+    options = {"text_field": t.text_field, "label_field": t.label_field}
+    return text_source(_split(items, opts), class_names, file_identity(path), options, opts)
+
+
+def open_csv_text(path: str, opts: SourceOptions) -> Source:
+    """A CSV with a text column: the text is tokenised; the label column holds the classes
+    (none: ``--task=lm``); any other columns are numbers, stored as the vector ``features``."""
+    t, rows = _text(opts), tables._read_csv(path)
+    if len(rows) < 2:
+        raise UsageError(f"CSV {path} is empty; it needs a header row and at least one data row")
+    header = [c.strip() for c in rows[0][1]]
+    if t.text_column not in header:
+        raise UsageError(
+            f"CSV {path} has no text column {t.text_column!r} (columns: "
+            f"{', '.join(header)}); pass --text_column=NAME"
+        )
+    labelled = opts.label_column in header and opts.task != "lm"
+    others = [c for c in header if c not in (t.text_column, opts.label_column)]
+    items, numbers = [], []
+    for row, (line, cells) in enumerate(rows[1:], start=1):
+        if len(cells) != len(header):
+            raise UsageError(
+                f"CSV {path} line {line} has {len(cells)} cells, the header has "
+                f"{len(header)}; fix that row (quote texts that hold commas)"
+            )
+        cell = dict(zip(header, cells, strict=True))
+        label = cell[opts.label_column].strip() if labelled else ""
+        if labelled and not label:
+            raise UsageError(
+                f"CSV {path} line {line} has an empty {opts.label_column!r}; "
+                "every row needs a label (or pass --task=lm)"
+            )
+        items.append((f"line {line}", cell[t.text_column], label))
+        numbers.append(
+            [
+                tables._number(
+                    cell[c],
+                    c,
+                    f"row {row} (line {line})",
+                    path,
+                    "every column but the text and label columns",
+                )
+                for c in others
+            ]
+        )
+    y, class_names = tables._encode_labels([lab for _, _, lab in items]) if labelled else ([], ())
+    items = [(name, text, int(y[i]) if labelled else -1) for i, (name, text, _) in enumerate(items)]
+    extra = {"features": np.asarray(numbers, np.float32)} if others else {}
+    options = {"text_column": t.text_column, "label_column": opts.label_column, "columns": others}
+    return text_source(
+        _split(items, opts), class_names, file_identity(path), options, opts, extra=extra
+    )
+
+
+def open_pystdlib(arg: str, opts: SourceOptions) -> Source:
+    """Python's standard library: one text per top-level function or class, its package the
+    class; ``pystdlib:asyncio,json`` takes only those packages (see `pystdlib.CLASSES`)."""
+    classes = tuple(c for c in arg.split(",") if c) or pystdlib.CLASSES
+    texts, identity = pystdlib.corpus(classes)
+    ids = {name: i for i, name in enumerate(classes)}
+    items = [(name, text, ids[label]) for name, text, label in texts]
+    return text_source(_split(items, opts), classes, identity, {"classes": list(classes)}, opts)
+
+
+# ---------------------------------------------------------------- shared
+
+
+def text_source(
+    items: dict[str, list],
+    class_names: Sequence[str],
+    identity: str,
+    options: dict,
+    opts: SourceOptions,
+    *,
+    root: str = "",
+    extra: dict | None = None,
+) -> Source:
+    """The `Source` over text ``items``, its tokeniser made (trained on the train split).
+
+    Args:
+      items: split -> ``[(name, text or None, label, size, row)]``, each split in record
+        order; ``text`` None reads the file ``root/name`` (in the workers); ``size`` is the
+        text's size, ``row`` the item's row in ``extra``.
+      class_names: label ``i`` is ``class_names[i]``; empty for a source without labels.
+      identity: the content identity of what the items were read from.
+      options: the kind's own record-shaping options.
+      opts: the converter options (``opts.text`` the text ones).
+      root: the folder of file items.
+      extra: more features, name -> array with one row per item (by the item's row index).
+
+    Returns:
+      The `Source`: ``tokens`` (and ``label``, ``features``) per record.
+    """
+    t = _text(opts)
+    task = "lm" if opts.task == "lm" or not class_names else "classification"
+    items = {s: items[s] for s in ordered_splits(items) if items[s]}
+    if "train" not in items:
+        raise UsageError(
+            f"the source has no train split (splits: {', '.join(items)}); a text "
+            "source needs one to train the tokeniser and the model on"
+        )
+    train = items["train"]
+    if tokenizer_lib.needs_training(t.tokenizer):
+        texts = (_train_text(root, item) for item in train)
+        tok = tokenizer_lib.make(t.tokenizer, (x for x in texts if x is not None))
+    else:
+        tok = tokenizer_lib.make(t.tokenizer)
+    if task == "lm" and (tok.special_ids["bos"] is None or tok.special_ids["eos"] is None):
+        raise UsageError(
+            f"--tokenizer={t.tokenizer} has no bos/eos token (looked for "
+            "<bos>/<s>, <eos>/</s>), which --task=lm adds to each text; use bpe:N"
+        )
+    encoding = Encoding(
+        tok.ref(t.data_dir),
+        task,
+        t.max_length,
+        t.long,
+        tok.special_ids["bos"],
+        tok.special_ids["eos"],
+    )
+    arrays = {k: np.asarray(v) for k, v in (extra or {}).items()}
+    rows = {s: np.asarray([it[4] for it in v], np.int64) for s, v in items.items()}
+
+    def make_chunk(split: str, start: int, stop: int, storage=None) -> Chunk:
+        chosen = tuple(tuple(it[:3]) for it in items[split][start:stop])
+        sliced = {k: a[rows[split][start:stop]] for k, a in arrays.items()}
+        return TextChunk(chosen, encoding, root, sliced)
+
+    features = [TOKENS, *(Feature(k, "float32", a.shape[1:], "float") for k, a in arrays.items())]
+    features += [LABEL] if task != "lm" else []
+    section = {"task": task, "tokenizer": tok.to_json(), "max_length": t.max_length, "long": t.long}
+    return Source(
+        features=tuple(features),
+        inputs="tokens" if not arrays else ("tokens", *arrays),
+        class_names=tuple(class_names) if task != "lm" else (),
+        splits={s: len(v) for s, v in items.items()},
+        split_bytes={s: sum(_size(it) for it in v) for s, v in items.items()},
+        identity=identity,
+        options={
+            **options,
+            **section,
+            "tokenizer": tok.spec,
+            "tokenizer_sha256": tok.sha256,
+            "max_items": t.max_items,
+            "validation_fraction": opts.validation_fraction,
+            "seed": opts.seed,
+        },
+        make_chunk=make_chunk,
+        stats={k: standardize_stats(a[rows["train"]]) for k, a in arrays.items()},
+        text=section,
+        files={tok.file: tok.data},
+    )
+
+
+def check_options(kind: str, spec: str, opts: SourceOptions) -> None:
+    """Raises a one-line UsageError for text options that are wrong or that ``kind`` ignores."""
+    t = _text(opts)
+    is_text = kind in KINDS or (kind == "csv" and t.text_column)
+    if not is_text:
+        given = [
+            f"--{f.name}={getattr(t, f.name)}"
+            for f in dataclasses.fields(t)
+            if f.name != "data_dir" and getattr(t, f.name) != f.default
+        ]
+        if given or opts.task == "lm":
+            raise UsageError(
+                f"{(given or ['--task=lm'])[0]} is for text sources (textfolder:, "
+                f"jsonl:, pystdlib, csv: with --text_column), not --source={spec}"
+            )
+        return
+    problems = [
+        (t.max_length and t.max_length < 2, f"--max_length={t.max_length}: must be >= 2 (or 0 "
+         "= no limit): a language-model record needs bos and a token"),
+        (t.max_length < 0, f"--max_length={t.max_length}: must be >= 2, or 0 = no limit"),
+        (t.long not in LONG, f"--long={t.long}: use one of {', '.join(LONG)}"),
+        (t.max_items < 0, f"--max_items={t.max_items}: must be >= 0 (0 = all)"),
+        (not t.text_field, "--text_field is empty: name the JSON field holding the text"),
+        (opts.task == "regression", f"--task=regression: text sources hold classes or "
+         f"language-model text; use --task=classification or --task=lm, not with {spec}"),
+    ]  # fmt: skip
+    for bad, message in problems:
+        if bad:
+            raise UsageError(message)
+
+
+def _text(opts: SourceOptions) -> TextOptions:
+    return opts.text or TextOptions()
+
+
+def _split(items: list, opts: SourceOptions) -> dict[str, list]:
+    """Splits split-less items by a seeded permutation (after ``--max_items`` sampling)."""
+    # (name, text, label) gets its size and row; file items come with them.
+    items = [it if len(it) == 5 else (*it, len(it[1]), i) for i, it in enumerate(items)]
+    n = _text(opts).max_items
+    if n and n < len(items):  # a seeded sample, kept in source order
+        keep = np.sort(np.random.default_rng(opts.seed).permutation(len(items))[:n])
+        items = [items[i] for i in keep]
+    if not items:
+        raise UsageError("the source holds no texts; check its path and fields")
+    order = train_validation(len(items), opts.validation_fraction, opts.seed)
+    return {s: [items[i] for i in idx] for s, idx in order.items()}
+
+
+def _train_text(root: str, item: tuple) -> str | None:
+    name, text = item[0], item[1]
+    text = read_text(os.path.join(root, name), name) if text is None else text
+    return None if isinstance(checked(name, text), Skip) else text
+
+
+def _size(item: tuple) -> int:
+    # A token takes ~3.5 bytes of text and 2 of a record.
+    return item[3] * 2 // 3 + 32
+
+
+def _json_lines(path: str) -> Iterator[tuple[int, object]]:
+    """``(line number, object)`` of each non-blank line; a UsageError names a bad one."""
+    try:
+        with open(path, encoding="utf-8-sig") as f:
+            lines = list(f)
+    except (OSError, UnicodeDecodeError) as e:
+        raise UsageError(f"cannot read {path}: {e}; pass a UTF-8 file of JSON lines") from None
+    for line_no, line in enumerate(lines, start=1):
+        if line.strip():
+            try:
+                yield line_no, json.loads(line)
+            except json.JSONDecodeError as e:
+                raise UsageError(
+                    f"{path} line {line_no} is not JSON ({e.msg}, column {e.colno}); "
+                    "each line must be one JSON object"
+                ) from None
