@@ -1,0 +1,440 @@
+"""Variable-length token sequences -> batches with one contract: pad, pad_fixed, bucket, pack.
+
+Every mode yields ``(inputs, targets)`` batches::
+
+    inputs  = {"tokens": int32 [B, T], "segment_ids": int32 [B, T], "positions": int32 [B, T]}
+    targets = {"label": int32 [B, S], "weight": float32 [B, S]}   # classification
+    targets = {"label": int32 [B, T], "weight": float32 [B, T]}   # lm: the next token
+
+``segment_ids`` is 0 at padding and 1..S for the sequences of a row (always 1 unless packed);
+``positions`` counts from 0 within each sequence (0 at padding); ``weight`` is 1.0 where a
+real sequence (classification) or token (lm) is. T is ``max_length`` for ``pad_fixed`` and
+``pack``, the bucket's boundary for ``bucket`` (a handful of shapes: one trace per bucket) and
+the batch's longest for ``pad`` (the TF guide's ``padded_batch``, the baseline).
+
+The input of every mode is ``to_examples``' per-sequence elements, so the canonical order is
+parse -> ``to_examples`` -> cache -> shuffle(seed) -> repeat -> bucket/pack -> prefetch; the
+task (classification or lm) is read from the element spec. The per-sequence cost is one
+``map`` (``to_examples``) and, for ``bucket``, the grouping key; the rest runs per batch, and
+``pack``'s first-fit runs once per window of sequences (numpy), not once per sequence.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Callable, Mapping, Sequence
+
+import numpy as np
+import tensorflow as tf
+
+AUTOTUNE = tf.data.AUTOTUNE
+TASKS = ("classification", "lm")
+LONG_POLICIES = ("truncate", "split", "skip")
+Element = dict[str, tf.Tensor]
+Batch = tuple[Element, Element]
+_PAD = -1  # tokens are padded with -1 inside a batch, so id 0 needs no special meaning
+
+
+def make_to_example(task: str) -> Callable[[Element], Element]:
+    """A parsed record ``{"tokens": int64 [L], "label": int64 []}`` -> one sequence.
+
+    Args:
+      task: ``"classification"`` (keeps ``label``) or ``"lm"`` (causal: inputs ``t[:-1]``,
+        labels ``t[1:]``, shifted here, before any batching, so that a packed row never
+        predicts across sequences).
+
+    Returns:
+      An op ``record -> {"tokens": int32 [L'], "label": int32 [] | [L']}``: the one cast to
+      int32 of the pipeline. Fuse it into the parse map where there is one.
+    """
+    if task not in TASKS:
+        raise ValueError(f"task={task!r} is not one of {TASKS}")
+
+    def to_example(record: Element) -> Element:
+        tokens = tf.cast(record["tokens"], tf.int32)
+        if task == "lm":
+            return {"tokens": tokens[:-1], "label": tokens[1:]}
+        return {"tokens": tokens, "label": tf.cast(record["label"], tf.int32)}
+
+    return to_example
+
+
+def to_examples(ds: tf.data.Dataset, task: str, deterministic: bool = True) -> tf.data.Dataset:
+    """``ds`` of parsed records -> per-sequence elements (see ``make_to_example``)."""
+    return ds.map(make_to_example(task), num_parallel_calls=AUTOTUNE, deterministic=deterministic)
+
+
+def _is_lm(ds: tf.data.Dataset) -> bool:
+    """The task, from the spec: lm labels are sequences, classification labels scalars."""
+    return ds.element_spec["label"].shape.rank == 1
+
+
+def _fit(x: tf.Tensor, length, value: int) -> tf.Tensor:
+    """``x`` [B, t] cut or padded with ``value`` to [B, length]."""
+    x = x[:, :length]
+    x = tf.pad(x, [[0, 0], [0, length - tf.shape(x)[1]]], constant_values=value)
+    return tf.ensure_shape(x, [None, length]) if isinstance(length, int) else x
+
+
+def _finish(batch: Element, lm: bool, length=None) -> Batch:
+    """A padded batch (tokens padded with ``_PAD``) -> the batch contract, optionally cut or
+    padded to ``length``. Runs once per batch: vectorised over [B, T]."""
+    tokens, label = batch["tokens"], batch["label"]
+    if length is not None:
+        tokens = _fit(tokens, length, _PAD)
+        label = _fit(label, length, 0) if lm else label
+    real = tf.cast(tokens >= 0, tf.int32)
+    positions = tf.range(tf.shape(tokens)[1], dtype=tf.int32)[None, :] * real
+    inputs = {"tokens": tokens * real, "segment_ids": real, "positions": positions}
+    if lm:
+        return inputs, {"label": label * real, "weight": tf.cast(real, tf.float32)}
+    return inputs, {"label": label[:, None], "weight": tf.ones_like(label, tf.float32)[:, None]}
+
+
+def _padding_values(ds):
+    lm = _is_lm(ds)
+    return {"tokens": tf.constant(_PAD, tf.int32), "label": tf.constant(0, tf.int32)}, lm
+
+
+def pad(ds: tf.data.Dataset, batch_size: int, drop_remainder: bool = False,
+        deterministic: bool = True) -> tf.data.Dataset:
+    """The TF guide's ``padded_batch``: each batch padded to its longest sequence (dynamic T).
+
+    Args:
+      ds: per-sequence elements from ``to_examples``.
+      batch_size: sequences per batch.
+      drop_remainder: drop a last short batch (static B, as ``tf.distribute`` wants).
+
+    Returns:
+      ``(inputs, targets)`` batches of shape [B, None].
+    """
+    values, lm = _padding_values(ds)
+    ds = ds.padded_batch(batch_size, padding_values=values, drop_remainder=drop_remainder)
+    return ds.map(lambda b: _finish(b, lm), num_parallel_calls=AUTOTUNE,
+                  deterministic=deterministic)
+
+
+def pad_fixed(ds: tf.data.Dataset, batch_size: int, max_length: int,
+              drop_remainder: bool = True, deterministic: bool = True) -> tf.data.Dataset:
+    """Every batch padded (longer sequences truncated) to ``max_length``: T static.
+
+    Truncation happens per batch (a slice), not per sequence.
+
+    Returns:
+      ``(inputs, targets)`` batches of shape [B, max_length].
+    """
+    values, lm = _padding_values(ds)
+    ds = ds.padded_batch(batch_size, padding_values=values, drop_remainder=drop_remainder)
+    return ds.map(lambda b: _finish(b, lm, max_length), num_parallel_calls=AUTOTUNE,
+                  deterministic=deterministic)
+
+
+def bucket_batch_sizes(boundaries: Sequence[int], tokens_per_batch: int,
+                       batch_multiple: int = 1) -> list[int]:
+    """Sequences per batch of each bucket: ``tokens_per_batch // boundary`` rounded down to a
+    multiple of ``batch_multiple`` (e.g. the number of replicas), and at least that."""
+    return [max(batch_multiple, tokens_per_batch // b // batch_multiple * batch_multiple)
+            for b in boundaries]
+
+
+def bucket(ds: tf.data.Dataset, boundaries: Sequence[int], tokens_per_batch: int,
+           batch_multiple: int = 1, drop_remainder: bool = True,
+           deterministic: bool = True) -> tf.data.Dataset:
+    """Sequences grouped by length; each batch padded to its bucket's boundary.
+
+    Bucket i holds lengths in ``(boundaries[i-1], boundaries[i]]`` (inclusive: a sequence of
+    length == boundary fits); longer than the last boundary are truncated to it. Built on
+    ``group_by_window`` rather than ``bucket_by_sequence_length(pad_to_bucket_boundary=True)``:
+    that one pads to ``boundary - 1`` and fails on a sequence beyond the last boundary, so it
+    needs a per-sequence truncation first; here the cut and the pad run once per batch.
+
+    Args:
+      ds: per-sequence elements from ``to_examples`` (shuffled first, if training).
+      boundaries: ascending bucket lengths, e.g. from ``choose_boundaries``.
+      tokens_per_batch: the token budget of a batch (see ``bucket_batch_sizes``).
+      batch_multiple: every batch size is a multiple of this (the number of replicas).
+      drop_remainder: drop each bucket's last short batch at the end of the input.
+
+    Returns:
+      ``(inputs, targets)`` batches of shape [B_i, boundaries[i]]; the spec says [None, None],
+      but only ``len(boundaries)`` shapes occur.
+    """
+    bounds = sorted(int(b) for b in boundaries)
+    edges = tf.constant(bounds, tf.int32)
+    sizes = tf.constant(bucket_batch_sizes(bounds, tokens_per_batch, batch_multiple), tf.int64)
+    last = len(bounds) - 1
+    values, lm = _padding_values(ds)
+
+    def key(element):
+        above = tf.reduce_sum(tf.cast(tf.size(element["tokens"]) > edges, tf.int64))
+        return tf.minimum(above, last)
+
+    def reduce(bucket_id, window):
+        return window.padded_batch(sizes[bucket_id], padding_values=values,
+                                   drop_remainder=drop_remainder)
+
+    def finish(batch):
+        # The batch's width says its bucket: every sequence in it lies in that bucket.
+        width = tf.shape(batch["tokens"])[1]
+        length = edges[tf.minimum(tf.reduce_sum(tf.cast(width > edges, tf.int32)), last)]
+        return _finish(batch, lm, length)
+
+    ds = ds.group_by_window(key, reduce, window_size_func=lambda bucket_id: sizes[bucket_id])
+    return ds.map(finish, num_parallel_calls=AUTOTUNE, deterministic=deterministic)
+
+
+def _length_counts(histogram, max_length: int) -> np.ndarray:
+    """Counts per length 0..max_length (longer ones counted at ``max_length``)."""
+    counts = np.zeros(max_length + 1)
+    if isinstance(histogram, Mapping):
+        edges, bins = np.asarray(histogram["edges"]), np.asarray(histogram["counts"], float)
+        if len(edges) != len(bins) + 1:
+            raise ValueError("a histogram needs len(edges) == len(counts) + 1")
+        for lo, hi, n in zip(edges[:-1], edges[1:], bins, strict=True):
+            lengths = np.arange(int(lo), int(hi))  # spread evenly over the bin's lengths
+            if n and lengths.size:
+                np.add.at(counts, np.minimum(lengths, max_length), n / lengths.size)
+    else:
+        lengths = np.minimum(np.asarray(histogram, np.int64), max_length)
+        counts += np.bincount(lengths, minlength=max_length + 1)
+    return counts
+
+
+def choose_boundaries(histogram, max_length: int, num_buckets: int = 5,
+                      multiple: int = 8) -> tuple[list[int], float]:
+    """Bucket boundaries that minimise the expected padding for a length histogram.
+
+    An exact dynamic programme over candidate boundaries (multiples of ``multiple``, for
+    hardware-friendly shapes, plus the last one): cost = sum over lengths of count × the
+    boundary it is padded to. The last boundary covers the longest sequence (up to
+    ``max_length``: longer ones are truncated to it).
+
+    Args:
+      histogram: either a sequence of lengths, or ``{"edges": [e0, ..., en], "counts":
+        [c0, ..., c(n-1)]}`` where ``ci`` sequences have lengths in ``[ei, e(i+1))``, taken as
+        spread evenly over the bin (the format of ``np.histogram``).
+      max_length: the longest T any batch may have.
+      num_buckets: at most this many boundaries.
+      multiple: candidate boundaries are multiples of this.
+
+    Returns:
+      ``(boundaries, expected_padding_fraction)``: padded tokens / computed tokens, if every
+      sequence were padded to its bucket's boundary.
+    """
+    counts = _length_counts(histogram, max_length)
+    longest = int(np.flatnonzero(counts)[-1]) if counts.any() else 1
+    top = min(max_length, -(-max(longest, 1) // multiple) * multiple)
+    cands = [*range(multiple, top, multiple), top]
+    below = np.concatenate([[0.0], np.cumsum(counts)])  # below[x]: sequences shorter than x
+    bounds = np.asarray(cands, np.float64)
+    upto = below[np.asarray(cands) + 1]  # sequences that fit each candidate
+    n, k = len(cands), min(num_buckets, len(cands))
+    # cost[j, i]: the least padded size of everything up to cands[i] in j buckets, the last
+    # ending at cands[i]; back[j, i]: where the bucket before it ends.
+    cost = np.full((k + 1, n), np.inf)
+    back = np.zeros((k + 1, n), np.int64)
+    cost[1] = upto * bounds
+    invalid = np.tril(np.ones((n, n), bool))  # [p, i]: a previous bucket must end before i
+    for j in range(2, k + 1):
+        total = cost[j - 1][:, None] + (upto[None, :] - upto[:, None]) * bounds[None, :]
+        total[invalid] = np.inf
+        back[j] = np.argmin(total, axis=0)
+        cost[j] = total[back[j], np.arange(n)]
+    j = int(np.argmin(cost[1:, n - 1])) + 1  # fewer buckets if more would not help
+    chosen, i = [], n - 1
+    while j >= 1:
+        chosen.append(cands[i])
+        i, j = back[j, i], j - 1
+    real = float(np.dot(np.arange(max_length + 1), counts))
+    computed = float(cost[len(chosen), n - 1])
+    return sorted(chosen), (1.0 - real / computed) if computed else 0.0
+
+
+@dataclasses.dataclass
+class TokenStats:
+    """A thread-safe tally of real and computed tokens (and what ``pack`` dropped).
+
+    ``pack(stats=...)`` fills it once per window as it packs; any mode's batches can be
+    added with ``add_batch``. Counts are for this process (not tf.data service workers).
+    """
+
+    sequences: int = 0  # sequences read (before the long policy)
+    skipped: int = 0  # sequences dropped by long="skip"
+    truncated_tokens: int = 0  # tokens cut by long="truncate"
+    real_tokens: int = 0
+    computed_tokens: int = 0  # rows × max_length (padding included)
+    _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
+
+    def add(self, **counts: int) -> None:
+        with self._lock:
+            for name, value in counts.items():
+                setattr(self, name, getattr(self, name) + int(value))
+
+    def add_batch(self, inputs: Element) -> None:
+        real, computed = count_tokens(inputs)
+        self.add(real_tokens=real, computed_tokens=computed)
+
+    @property
+    def padding_fraction(self) -> float:
+        return 1.0 - self.real_tokens / self.computed_tokens if self.computed_tokens else 0.0
+
+
+def count_tokens(inputs: Element) -> tuple[tf.Tensor, tf.Tensor]:
+    """``(real, computed)`` tokens of a batch's inputs: one reduction, cheap per step."""
+    segments = inputs["segment_ids"]
+    return tf.math.count_nonzero(segments, dtype=tf.int64), tf.size(segments, tf.int64)
+
+
+def padding_fraction(inputs: Element) -> tf.Tensor:
+    """The fraction of a batch's [B, T] positions that are padding (float32 scalar)."""
+    real, computed = count_tokens(inputs)
+    return 1.0 - tf.cast(real, tf.float32) / tf.cast(computed, tf.float32)
+
+
+def pack(ds: tf.data.Dataset, max_length: int, rows_per_batch: int, window: int = 1024,
+         max_segments: int | None = None, long: str = "truncate",
+         stats: TokenStats | None = None, drop_remainder: bool = True,
+         deterministic: bool = True) -> tf.data.Dataset:
+    """Whole sequences packed first-fit-decreasing into rows of ``max_length`` tokens.
+
+    ``window`` sequences at a time are packed by one numpy call (a per-window cost);
+    rows leave in the order of their first sequence, so a batch mixes long and short
+    sequences; the output depends only on the input order (seed the shuffle before). The
+    numpy call (``tf.numpy_function``, ~10 us per sequence under the GIL) ties ``pack`` to
+    this Python process: with the tf.data service, pack after the service's output.
+
+    Args:
+      ds: per-sequence elements from ``to_examples``.
+      max_length: T, tokens per row.
+      rows_per_batch: B.
+      window: sequences packed together (more: less padding, more latency and memory).
+      max_segments: S, sequences per row at most (default ``max(1, max_length // 8)``); a
+        row with S sequences is full.
+      long: a sequence longer than a row is cut to ``max_length`` ("truncate"), cut into
+        ``max_length`` pieces, each its own sequence ("split"), or dropped ("skip").
+      stats: if given, tallies sequences, skipped, truncated and real/computed tokens.
+      drop_remainder: drop a last short batch (static B).
+
+    Returns:
+      ``(inputs, targets)`` batches of static shape [B, max_length] (targets [B, S] for
+      classification).
+    """
+    if long not in LONG_POLICIES:
+        raise ValueError(f"long={long!r} is not one of {LONG_POLICIES}")
+    segments = max_segments or max(1, max_length // 8)
+    lm = _is_lm(ds)
+    packer = _Packer(max_length, segments, long, lm, stats)
+    out_types = [tf.int32, tf.int32, tf.int32, tf.int32, tf.float32]
+    width = max_length if lm else segments
+
+    def pack_window(group):
+        rows = tf.numpy_function(packer, [group["tokens"], group["label"]], out_types,
+                                 stateful=False)
+        rows = [tf.ensure_shape(r, [None, max_length]) for r in rows[:3]] + [
+            tf.ensure_shape(r, [None, width]) for r in rows[3:]]
+        inputs = dict(zip(("tokens", "segment_ids", "positions"), rows[:3], strict=True))
+        return inputs, {"label": rows[3], "weight": rows[4]}
+
+    # A window arrives padded with -1 to its longest sequence: ``padded_batch`` costs ~5 us
+    # per sequence here, ``ragged_batch`` ~60 (it maps every element to a RaggedTensor).
+    # The price is memory: window × the window's longest sequence, per tensor.
+    values = {"tokens": tf.constant(_PAD, tf.int32), "label": tf.constant(_PAD, tf.int32)}
+    ds = ds.padded_batch(window, padding_values=values).map(
+        pack_window, num_parallel_calls=AUTOTUNE, deterministic=deterministic)
+    return ds.rebatch(rows_per_batch, drop_remainder=drop_remainder)
+
+
+class _Packer:
+    """The numpy side of ``pack``: one window of sequences (padded with -1) -> rows."""
+
+    def __init__(self, max_length, max_segments, long, lm, stats):
+        self.t, self.s, self.long, self.lm, self.stats = max_length, max_segments, long, lm, stats
+
+    def __call__(self, tokens, labels):
+        real = tokens >= 0  # each row: its sequence, then -1s
+        flat = tokens[real]
+        labels = labels[real] if self.lm else labels
+        splits = np.concatenate([[0], np.cumsum(real.sum(axis=1))])
+        starts, lengths, source = self._pieces(splits)
+        row, segment, offset, rows = self._first_fit(lengths)
+        # Rows in the order of their first sequence: long and short ones mix in a batch.
+        first = np.full(rows, len(source), np.int64)
+        np.minimum.at(first, row, source)
+        rank = np.empty(rows, np.int64)
+        rank[np.argsort(first, kind="stable")] = np.arange(rows)
+        row = rank[row]
+        piece = np.repeat(np.arange(len(lengths)), lengths)  # per token: its piece
+        position = np.arange(piece.size) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+        r, c, src = row[piece], offset[piece] + position, starts[piece] + position
+        out = [np.zeros((rows, self.t), np.int32) for _ in range(3)]
+        out[0][r, c], out[1][r, c], out[2][r, c] = flat[src], segment[piece] + 1, position
+        if self.lm:
+            label = np.zeros((rows, self.t), np.int32)
+            label[r, c] = labels[src]
+            weight = (out[1] > 0).astype(np.float32)
+        else:
+            label = np.zeros((rows, self.s), np.int32)
+            weight = np.zeros((rows, self.s), np.float32)
+            label[row, segment], weight[row, segment] = labels[source], 1.0
+        if self.stats is not None:
+            self.stats.add(real_tokens=piece.size, computed_tokens=rows * self.t)
+        return out + [label, weight]
+
+    def _pieces(self, splits):
+        """Start, length and source sequence of each piece after the ``long`` policy."""
+        starts, lengths = splits[:-1], np.diff(splits)
+        source = np.arange(lengths.size)
+        over = lengths > self.t
+        counts = {"sequences": lengths.size}
+        if over.any() and self.long == "skip":
+            counts["skipped"] = int(over.sum())
+            starts, lengths, source = starts[~over], lengths[~over], source[~over]
+        elif over.any() and self.long == "truncate":
+            counts["truncated_tokens"] = int((lengths[over] - self.t).sum())
+            lengths = np.minimum(lengths, self.t)
+        elif over.any():  # split
+            n = -(-lengths // self.t)
+            source = np.repeat(source, n)
+            k = np.arange(source.size) - np.repeat(np.cumsum(n) - n, n)  # piece index
+            starts = splits[source] + k * self.t
+            lengths = np.minimum(self.t, splits[source + 1] - starts)
+        if self.stats is not None:
+            self.stats.add(**counts)
+        keep = lengths > 0
+        return starts[keep], lengths[keep], source[keep]
+
+    def _first_fit(self, lengths):
+        """First-fit decreasing: the row, segment index and offset of each piece.
+
+        The leftmost row with room is found in a max-tree over the rows' free space: O(log n)
+        per piece, not a scan of the open rows (measured ~50 -> ~10 us per sequence
+        in windows of 1,024 short texts).
+        """
+        n = lengths.size
+        size = 1 << max(0, (n - 1).bit_length())
+        free = [0] * size + [self.t] * n + [-1] * (size - n)  # leaves: free tokens per row
+        for node in range(size - 1, 0, -1):
+            free[node] = max(free[2 * node], free[2 * node + 1])
+        used = [0] * n  # segments per row
+        row, segment, offset = [0] * n, [0] * n, [0] * n
+        sizes = lengths.tolist()
+        for i in np.argsort(-lengths, kind="stable").tolist():
+            length, node = sizes[i], 1
+            while node < size:  # every piece fits a fresh row, so the root always has room
+                node = 2 * node if free[2 * node] >= length else 2 * node + 1
+            r = node - size
+            row[i], segment[i], offset[i] = r, used[r], self.t - free[node]
+            used[r] += 1
+            free[node] = free[node] - length if used[r] < self.s else -1  # -1: row is full
+            node >>= 1
+            while node:  # up to the root, while the max changes
+                left, right = free[2 * node], free[2 * node + 1]
+                most = left if left >= right else right
+                if free[node] == most:
+                    break
+                free[node] = most
+                node >>= 1
+        row = np.asarray(row, np.int64)
+        return row, np.asarray(segment, np.int64), np.asarray(offset, np.int64), (
+            int(row.max()) + 1 if n else 0)
