@@ -107,7 +107,7 @@ def run_ceiling(data_dir: str, batch: int) -> dict:
     import tensorflow as tf
 
     import tfspeed.data
-    from tfspeed import models, runtime, trainer
+    from tfspeed import models, objectives, runtime, trainer
     from tfspeed.config import ModelConfig, RuntimeConfig, TrainConfig
     from tfspeed.data import ingraph
 
@@ -141,9 +141,11 @@ def run_ceiling(data_dir: str, batch: int) -> dict:
         figures[f"ceiling_{policy}"] = max(rates)
         figures[f"ceiling_{policy}_median"] = statistics.median(rates)
         rt = runtime.setup(RuntimeConfig(strategy="default", precision=policy, xla="off"))
+        model = models.build(ModelConfig(name="mlp"), (8, 8, 1), 10)
+        goals = objectives.resolve("", None, "classification", model)
         engine = trainer.make_engine(
-            models.build(ModelConfig(name="mlp"), (8, 8, 1), 10), TrainConfig(), rt, batch,
-            10**6, preprocess=lambda v: tf.cast(v, tf.float32) * (1 / 255))
+            model, goals, TrainConfig(), rt, batch, 10**6,
+            preprocess=lambda v: tf.cast(v, tf.float32) * (1 / 255))
         figures[f"engine_{policy}"] = max(_rates(
             lambda e=engine: e.train(source, per_epoch)["loss"].numpy(), per_epoch * batch))
     return {"examples_per_sec": max(figures["ceiling_float32"], figures["ceiling_mixed_bfloat16"]),

@@ -95,3 +95,55 @@ def _float32_policy():
     keras.mixed_precision.set_global_policy("float32")
     yield
     keras.mixed_precision.set_global_policy("float32")
+
+
+@pytest.fixture(scope="session")
+def regression_dir(tmp_path_factory) -> str:
+    """scikit-learn's diabetes table (442 real patients, a float target) converted from CSV
+    with --task=regression."""
+    from sklearn.datasets import load_diabetes
+
+    from tfspeed.convert import convert
+
+    root = tmp_path_factory.mktemp("diabetes")
+    data = load_diabetes()
+    columns = [c.replace(" ", "_") for c in data.feature_names]
+    np.savetxt(root / "diabetes.csv", np.column_stack([data.data, data.target]), delimiter=",",
+               header=",".join([*columns, "target"]), comments="", fmt="%.6g")
+    out = root / "data"
+    convert(f"csv:{root / 'diabetes.csv'}", str(out), label_column="target", task="regression",
+            shards=2)
+    return str(out)
+
+
+USER_OBJECTIVES = '''
+import keras
+
+
+def halved_mse(labels, outputs):
+    """A user's own loss: one value per example."""
+    return keras.ops.mean(keras.ops.square(labels - outputs), axis=-1) / 2
+
+
+def doubled_mae(labels, outputs):
+    return 2 * keras.ops.mean(keras.ops.abs(labels - outputs), axis=-1)
+'''
+
+
+@pytest.fixture(scope="session")
+def user_objectives(tmp_path_factory) -> str:
+    """A module of the user's own loss and metric, importable here and in child processes
+    (PYTHONPATH), as from a user's working directory."""
+    import sys
+
+    folder = tmp_path_factory.mktemp("user_objectives")
+    (folder / "tfspeed_user_objectives.py").write_text(USER_OBJECTIVES)
+    sys.path.insert(0, str(folder))
+    old = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(folder), old) if p)
+    yield "tfspeed_user_objectives"
+    sys.path.remove(str(folder))
+    if old is None:
+        os.environ.pop("PYTHONPATH", None)
+    else:
+        os.environ["PYTHONPATH"] = old

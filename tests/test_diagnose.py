@@ -134,3 +134,18 @@ def test_memory_verdict_and_its_advice(digits_dir):
     assert result["verdict"] == "memory-bound"
     assert "--grad_accum_steps=2" in result["next_steps"][0]["advice"]
     assert any("--remat" in s["advice"] for s in result["next_steps"])
+
+
+def test_in_step_input_is_measured_as_the_job_runs_it(digits_dir, tmp_path):
+    """The default placement holds the digits in the step: diagnose times that gather, not a
+    tf.data pipeline the job does not use, and does not print xprof's 'cannot tell'."""
+    config = _config(digits_dir, tmp_path, data={"input_placement": "device"})
+    result = diagnose.run(config, QUICK)
+    assert result["settings"]["input_placement"] == "device"
+    assert result["input_measured"].startswith("the in-step gather")
+    assert list(result["stages_ms_per_batch"]) == ["in-step gather"]
+    assert result["examples_per_sec"]["input_alone"] > 0
+    lines = diagnose.report_lines(result)
+    assert not any("cannot tell" in line for line in lines)
+    assert any(line.startswith("  input alone") and "in-step gather" in line for line in lines)
+    assert "xprof's input analysis does not apply" in result["profile"]["conclusion"]

@@ -114,18 +114,19 @@ TUNE_BUDGET_S = 60
 
 
 @pytest.fixture(scope="module")
-def tuned(tabular_dir, tmp_path_factory):
-    """One real tune of a small MLP job, as a user runs it (measuring in its child process,
-    verifying here)."""
+def tuned(regression_dir, user_objectives, tmp_path_factory):
+    """One real tune of a small MLP regression job with the user's own loss, as a user runs
+    it (measuring in its child process, verifying here)."""
     from absl.testing import flagsaver
 
     from tfspeed import flags as tfspeed_flags
 
     root = tmp_path_factory.mktemp("tune")
     flagfile = root / "job.flags"
-    flagfile.write_text(f"--data_dir={tabular_dir}\n--model=mlp\n--width=16\n--batch_size=20\n"
-                        "--epochs=5\n--cache=none\n--input_placement=host\n"
-                        "--precision=float32\n")
+    flagfile.write_text(f"--data_dir={regression_dir}\n--model=mlp\n--width=16\n"
+                        "--batch_size=20\n--epochs=5\n--cache=none\n--input_placement=host\n"
+                        f"--precision=float32\n--loss={user_objectives}:halved_mse\n"
+                        f"--metrics=mae,{user_objectives}:doubled_mae\n")
     args = [f"--flagfile={flagfile}", f"--model_dir={root / 'run'}"]
     stdout = io.StringIO()
     with flagsaver.flagsaver(), contextlib.redirect_stdout(stdout):
@@ -135,7 +136,7 @@ def tuned(tabular_dir, tmp_path_factory):
     return root, stdout.getvalue()
 
 
-def test_a_tune_writes_flags_that_nest_the_original_and_train(tuned):
+def test_a_tune_writes_flags_that_nest_the_original_and_train(tuned, regression_dir):
     root, stdout = tuned
     lines = (root / "run" / "tune" / "tuned.flags").read_text().splitlines()
     assert lines[0].startswith("# python -m tfspeed.tune: ")
@@ -143,7 +144,10 @@ def test_a_tune_writes_flags_that_nest_the_original_and_train(tuned):
     assert lines[2] == f"--model_dir={root / 'run'}"
     result = json.loads((root / "run" / "tune" / "tune.json").read_text())
     changed = result["tuned_flags"]["changed"]
-    flags = [line for line in lines[3:] if not line.startswith("#")]
+    # The data dir came from the nested flagfile: pinned, absolute, before the changes.
+    assert lines[3].startswith("# paths resolved from ")
+    assert lines[4] == f"--data_dir={os.path.abspath(regression_dir)}"
+    flags = [line for line in lines[5:] if not line.startswith("#")]
     assert flags == [f"--{k}={v}" for k, v in changed.items()]
     # Each changed flag comes after a comment giving its reason.
     assert all(lines[lines.index(f) - 1].startswith("# ") for f in flags)
@@ -174,12 +178,44 @@ def test_a_tune_records_every_candidate_and_the_verified_ones(tuned):
     assert len(labels) == len(result["candidates"]) >= 4
     verified = [r for r in result["candidates"] if "measured" in r]
     assert len(verified) == 1
+    # The timed steps and the verifying run trained the job's own loss and metrics.
+    assert m["objectives"]["loss"] == "tfspeed_user_objectives:halved_mse"
+    assert m["objectives"]["task"] == "regression"
+    assert verified[0]["measured"]["objectives"]["loss"] == "tfspeed_user_objectives:halved_mse"
+    assert verified[0]["measured"]["objectives"]["metrics"] == ["mae", "doubled_mae"]
     assert all(r["measured"]["examples_per_sec"] > 0 for r in verified)
     assert result["user"]["resolved"]["input_placement"] == "host"
     assert result["user"]["resolved"]["cache"] == "none"
     assert result["seconds"] <= TUNE_BUDGET_S + 15  # the budget, and the last run it allowed
     assert os.path.getsize(root / "run" / "tune" / "tune.png") > 1000
     assert "your flags" in stdout and "chosen:" in stdout
+
+
+def test_tuned_flags_train_the_same_job_from_any_directory(tmp_path, monkeypatch):
+    """A tune run with relative paths (the flagfile, and the data dir inside it) writes
+    flags that resolve to the same job from another working directory."""
+    from absl.testing import flagsaver
+
+    from tfspeed import flags as tfspeed_flags
+
+    (tmp_path / "project" / "pipelines").mkdir(parents=True)
+    (tmp_path / "project" / "pipelines" / "job.flags").write_text(
+        "--data_dir=data/photos\n--model=mlp\n--batch_size=8\n")
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "project")
+    args = ["--flagfile=pipelines/job.flags", "--model_dir=runs/p"]
+    with flagsaver.flagsaver():
+        tfspeed_flags.parse(["tfspeed.tune", *args])
+        config = tfspeed_flags.to_config()
+    user = {"measured": {"examples_per_sec": 100.0, "resolved": {}}}
+    tune.write_flags(str(tmp_path / "tuned.flags"), args, config, None, user, {})
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    with flagsaver.flagsaver():
+        tfspeed_flags.parse(["tfspeed.train", f"--flagfile={tmp_path / 'tuned.flags'}"])
+        moved = tfspeed_flags.to_config()
+    assert moved.data.data_dir == str(tmp_path / "project" / "data" / "photos")
+    assert moved.model_dir == str(tmp_path / "project" / "runs" / "p")
+    assert (moved.model.name, moved.data.batch_size) == ("mlp", 8)
 
 
 def test_a_budget_too_short_is_one_line(tabular_dir, tmp_path):

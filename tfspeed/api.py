@@ -11,6 +11,7 @@ MirroredStrategy, exact resume from ``model_dir``, the throughput meter, TensorB
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import os
@@ -64,7 +65,7 @@ def fit(model, train, validation=None, *, epochs: int | None = None,
     """
     import tensorflow as tf
 
-    from tfspeed import locks, objectives, trainer
+    from tfspeed import checkpoints, locks, objectives, trainer
     from tfspeed.config import TrainConfig
 
     if not isinstance(train, tf.data.Dataset):
@@ -89,17 +90,58 @@ def fit(model, train, validation=None, *, epochs: int | None = None,
         task = task or ("regression" if train.element_spec[1].dtype.is_floating
                         else "classification")
         goals = objectives.resolve(loss or "", metrics, task, built)
+        if task == "classification":
+            _check_classes(built, train, "train")
         distribute = rt.strategy.experimental_distribute_dataset
         data = distribute(train.repeat().rebatch(batch, drop_remainder=True))
-        result = trainer.fit(
-            built, data, distribute(validation) if validation is not None else None, config,
-            rt, steps_per_epoch=per_epoch, eval_steps=None, global_batch_size=batch,
-            model_dir=model_dir, objectives=goals, callbacks=callbacks,
-            optimizer=None if isinstance(optimizer, str) else optimizer)
+        with _label_errors(built):
+            result = trainer.fit(
+                built, data, distribute(validation) if validation is not None else None,
+                config, rt, steps_per_epoch=per_epoch, eval_steps=None,
+                global_batch_size=batch, model_dir=model_dir, objectives=goals,
+                callbacks=callbacks, optimizer=None if isinstance(optimizer, str) else optimizer)
+        saved = checkpoints.export_model(built, model_dir) if rt.is_chief else {}
     finally:
         lock.release()
     return {**dataclasses.asdict(result), "runtime": rt.to_json(),
-            "objectives": goals.report, "model_dir": model_dir, "model": built}
+            "objectives": goals.report, "model_dir": model_dir, "saved": saved, "model": built}
+
+
+def _check_classes(model, dataset, name: str) -> None:
+    """A classifier's outputs cover the first batch's labels: the command line checks the
+    model against the schema's classes; here the data's own labels are all there is."""
+    import numpy as np
+    import tensorflow as tf
+
+    x, y = next(iter(dataset))
+    labels = tf.nest.flatten(y)[0]
+    outputs = tf.nest.flatten(model(x, training=False))[0]
+    if outputs.shape.rank != 2 or outputs.shape[-1] == 1 or not labels.dtype.is_integer:
+        return
+    n, top = int(outputs.shape[-1]), int(np.max(labels.numpy()))
+    if top >= n:
+        raise UsageError(f"the model outputs {n} classes, but {name}'s labels reach {top}; end "
+                         f"the model with keras.layers.Dense({top + 1}) or more, or relabel "
+                         f"to 0..{n - 1}")
+
+
+@contextlib.contextmanager
+def _label_errors(model):
+    """A label past the model's outputs, met during training (the first batch was fine):
+    one line instead of TensorFlow's traceback."""
+    import tensorflow as tf
+
+    try:
+        yield
+    except tf.errors.InvalidArgumentError as e:
+        text = str(e.message)
+        marker = "Received a label value of "
+        if marker not in text:
+            raise
+        found = text[text.index(marker):].split("\n")[0].split(".")[0]
+        raise UsageError(f"{found.lower()}: the model has fewer outputs than the data has "
+                         f"classes; end it with keras.layers.Dense(number of classes)"
+                         ) from None
 
 
 def _runtime(strategy, cpu_replicas: int, precision: str, xla: str, model):
@@ -132,8 +174,17 @@ def _batch_and_epoch(train) -> tuple[int, int]:
     """The global batch (the first batch's size) and the batches in one pass."""
     import tensorflow as tf
 
-    first = next(iter(train))
-    batch = int(tf.shape(tf.nest.flatten(first[1])[0])[0])
+    first = next(iter(train), None)
+    if first is None:
+        raise UsageError("train is empty: give tfspeed.fit a dataset with at least one batch")
+    if not isinstance(first, (tuple, list)) or len(first) != 2:
+        raise UsageError("train must yield (x, y) batches; map it to pairs, e.g. "
+                         "ds.map(lambda d: (d['image'], d['label']))")
+    labels = tf.nest.flatten(first[1])[0]
+    if labels.shape.rank == 0:
+        raise UsageError("train yields single examples (its labels have no batch axis); "
+                         "batch it first: train.batch(N)")
+    batch = int(tf.shape(labels)[0])
     count = int(train.cardinality())
     if count == tf.data.INFINITE_CARDINALITY:
         raise UsageError("train repeats forever: give tfspeed.fit steps= (updates), or a "

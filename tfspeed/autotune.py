@@ -84,7 +84,8 @@ def tune_steps_per_execution(run_call, remaining: int, per_epoch: int, agree=lam
 
 
 def time_steps(engines: dict, batches, call_s: float = 0.05, rounds: int = 5,
-               max_steps: int = 64, agree=lambda value: value) -> dict[str, float]:
+               max_steps: int = 64, agree=lambda value: value, run_steps: int = 0,
+               progress=None) -> dict[str, float]:
     """Seconds per step of each engine on ``batches`` (an in-graph source or an iterator).
 
     Each engine runs a warm-up call (it traces), then a call of 2 steps that sizes the timed
@@ -95,37 +96,60 @@ def time_steps(engines: dict, batches, call_s: float = 0.05, rounds: int = 5,
     penalised. About ``2 * rounds * call_s`` per engine for a fast step. ``agree`` makes
     the call size the same on every worker of a multi-worker job (its calls hold
     collectives: a worker running other step counts would wait forever).
+
+    Args:
+      run_steps: the run's length in steps (0: unknown). The timed calls are then bounded to
+        ``PROBE_SHARE`` of it: fewer rounds (at least one), so probing a large model does
+        not take longer than training it.
+      progress: ``fn(format, *args)`` told of each stage (``logging.info``), or None.
     """
+    say = progress or (lambda *args: None)
     sizing = []
-    for engine in engines.values():
+    for name, engine in engines.items():
+        say("precision probe: first call in %s (traces the step)", name)
         engine.train(batches, 1)["loss"].numpy()
         start = time.perf_counter()
         engine.train(batches, 2)["loss"].numpy()
         sizing.append((time.perf_counter() - start) / 2)
     step_s = float(agree(min(sizing)))
     steps = int(min(max(call_s / max(step_s, 1e-6), 1), max_steps))
+    rounds = probe_rounds(rounds, steps, len(engines), run_steps)
     best = {name: float("inf") for name in engines}
-    for _ in range(rounds):
+    for r in range(rounds):
         for name, engine in engines.items():
             start = time.perf_counter()
             engine.train(batches, steps)["loss"].numpy()
             best[name] = min(best[name], (time.perf_counter() - start) / steps)
+        say("precision probe: round %d/%d of %d steps each: %s", r + 1, rounds, steps,
+            ", ".join(f"{name} {1000 * t:.2f} ms/step" for name, t in best.items()))
     return best
 
 
-def choose_precision(hardware_choice: str, step_seconds: dict[str, float]) -> tuple[str, str]:
-    """The policy to train in, from measured step times, and why: bfloat16 has to earn its
-    rounding, so it is taken only when ``BF16_GAIN`` faster than float32 (a close race on a
-    shared machine goes to the exact policy).
+def probe_rounds(rounds: int, steps: int, engines: int, run_steps: int) -> int:
+    """Rounds of timed calls that fit ``PROBE_SHARE`` of a run of ``run_steps`` steps (all
+    of ``rounds`` when the run's length is unknown), at least one."""
+    if run_steps <= 0:
+        return rounds
+    return max(1, min(rounds, int(PROBE_SHARE * run_steps / (steps * engines))))
+
+
+def choose_precision(hardware_choice: str, step_seconds: dict[str, float],
+                     requested: str = "auto") -> tuple[str, str]:
+    """The policy to train in, from measured step times, and why: the mixed policy has to
+    earn its rounding, so it is taken only when ``BF16_GAIN`` faster than float32 (a close
+    race on a shared machine goes to the exact policy).
 
     Args:
-      hardware_choice: what the hardware rule chose (``mixed_bfloat16`` here).
+      hardware_choice: the mixed policy measured against float32 (``mixed_bfloat16`` where
+        the hardware rule chose it, or for ``--precision=measure``).
       step_seconds: seconds per step under each measured policy.
+      requested: ``--precision`` as given (``auto`` or ``measure``), for the reason.
     """
-    f32, bf16 = step_seconds["float32"], step_seconds[hardware_choice]
-    figures = f"{1000 * f32:.2f} ms/step in float32, {1000 * bf16:.2f} in {hardware_choice}"
-    if bf16 <= (1 - BF16_GAIN) * f32:
-        return hardware_choice, (f"auto: this CPU has native bfloat16 and measured {figures} "
-                                 "for this model")
-    return "float32", (f"auto: measured {figures} for this model: bfloat16 is not "
-                       f"{BF16_GAIN:.0%} faster here, so float32 (exact) is kept")
+    f32, mixed = step_seconds["float32"], step_seconds[hardware_choice]
+    figures = f"{1000 * f32:.2f} ms/step in float32, {1000 * mixed:.2f} in {hardware_choice}"
+    if mixed <= (1 - BF16_GAIN) * f32:
+        return hardware_choice, (f"{requested}: measured {figures} for this model: "
+                                 f"{hardware_choice} is at least {BF16_GAIN:.0%} faster")
+    return "float32", (f"{requested}: measured {figures} for this model: "
+                       f"{hardware_choice.removeprefix('mixed_')} is not {BF16_GAIN:.0%} "
+                       "faster here, so float32 (exact) is kept")

@@ -13,17 +13,23 @@ class ThroughputMeter:
     steps, logged to TensorBoard.
 
     The trainer calls ``tick`` only where it syncs with the device anyway (at log points),
-    so measuring adds no host-device sync per step. The first window holds tracing and
-    compilation, so ``summary`` skips it when there are more.
+    so measuring adds no host-device sync per step. Calls that are not the steady state
+    (the one that traces and compiles the step, profiled ones) it syncs once and hands to
+    ``exclude``: counted in a window, the trace alone made a 3-epoch digits run report 3x
+    its real step time. ``summary`` is the median over the measured windows only, and says
+    when too few steps remain for it (``MIN_STEPS``).
 
     Args:
       global_batch_size: examples in one step.
       log_dir: if set, scalars go to TensorBoard there.
     """
 
+    MIN_STEPS = 10  # fewer measured steps make no median worth reporting
+
     def __init__(self, global_batch_size: int, log_dir: str | None = None):
         self.global_batch_size = global_batch_size
         self.windows: list[tuple[int, float, float]] = []  # (steps, seconds, input wait s)
+        self.excluded: list[tuple[int, float, float]] = []  # warm-up, the same way
         self.writer = tf.summary.create_file_writer(log_dir) if log_dir else None
         self._writes: dict = {}  # sorted scalar names -> the compiled write
         self._start = time.perf_counter()
@@ -32,22 +38,38 @@ class ThroughputMeter:
         """Starts a new window now (e.g. after a pause for evaluation or tuning)."""
         self._start = time.perf_counter()
 
+    def exclude(self, steps: int, input_wait_s: float = 0.0) -> None:
+        """The ``steps`` steps since the last tick are warm-up: kept out of the figures; a
+        new window starts now. The caller has waited for them to finish."""
+        now = time.perf_counter()
+        self.excluded.append((steps, now - self._start, input_wait_s))
+        self._start = now
+
+    def close(self, steps: int, input_wait_s: float = 0.0) -> dict[str, float]:
+        """Closes a measured window of ``steps`` steps ending now, without logging it (before
+        a call to ``exclude``); returns its figures, like ``tick``."""
+        now = time.perf_counter()
+        seconds, self._start = now - self._start, now
+        if not steps:
+            return {}
+        self.windows.append((steps, seconds, input_wait_s))
+        return _figures(steps, seconds, input_wait_s, self.global_batch_size)
+
     def tick(self, steps: int, step: int, input_wait_s: float = 0.0,
              also: dict[str, float] | None = None) -> dict[str, float]:
         """Closes a window of ``steps`` steps ending now.
 
         Args:
-          steps: steps in the window.
+          steps: steps in the window; 0 (all were excluded) logs only ``also``.
           step: the global step at its end (the TensorBoard x axis).
           input_wait_s: seconds of the window the step spent waiting for its next batch.
           also: more scalars to log at this step (losses, metrics), in the same write.
+
+        Returns:
+          ``examples_per_sec``, ``step_time_ms`` and ``input_wait_pct`` of the window
+          (empty for a window of 0 steps).
         """
-        now = time.perf_counter()
-        seconds, self._start = now - self._start, now
-        self.windows.append((steps, seconds, input_wait_s))
-        figures = {"examples_per_sec": steps * self.global_batch_size / seconds,
-                   "step_time_ms": 1000 * seconds / steps,
-                   "input_wait_pct": 100 * min(input_wait_s / seconds, 1.0)}
+        figures = self.close(steps, input_wait_s)
         if self.scalars({**figures, **(also or {})}, step):
             # Tracing the write (~0.1-0.2 s, once) is setup, like the first window's tracing:
             # counted in the next window, it took a tiny model's second window to a third of
@@ -82,17 +104,35 @@ class ThroughputMeter:
         write(tf.constant([float(values[name]) for name in names]), tf.constant(step, tf.int64))
         return traced
 
-    def summary(self) -> dict[str, float]:
-        """Median step time and examples/s over the windows (the first skipped if possible)."""
-        windows = self.windows[1:] if len(self.windows) > 1 else self.windows
-        if not windows:
-            return {"step_time_ms": 0.0, "examples_per_sec": 0.0, "input_wait_pct": 0.0,
-                    "steps_measured": 0}
-        step_s = statistics.median(seconds / steps for steps, seconds, _ in windows)
-        return {
-            "step_time_ms": 1000 * step_s,
-            "examples_per_sec": self.global_batch_size / step_s,
-            "input_wait_pct": 100 * statistics.median(
-                min(wait / seconds, 1.0) for _, seconds, wait in windows),
-            "steps_measured": sum(steps for steps, _, _ in windows),
-        }
+    def summary(self) -> dict:
+        """Median step time and examples/s over the measured windows.
+
+        Returns:
+          ``step_time_ms``, ``examples_per_sec``, ``input_wait_pct``, ``steps_measured``,
+          ``steps_excluded`` (warm-up) and ``too_few_steps`` (fewer than ``MIN_STEPS``
+          measured: the figures are then over all steps, warm-up included, and no median).
+        """
+        measured = sum(steps for steps, _, _ in self.windows)
+        excluded = sum(steps for steps, _, _ in self.excluded)
+        windows = self.windows if measured >= self.MIN_STEPS else self.windows + self.excluded
+        summary = {"step_time_ms": 0.0, "examples_per_sec": 0.0, "input_wait_pct": 0.0}
+        if measured < self.MIN_STEPS and windows:  # one figure over everything there is
+            summary = _figures(*(sum(w[i] for w in windows) for i in range(3)),
+                               self.global_batch_size)
+        elif windows:
+            step_s = statistics.median(seconds / steps for steps, seconds, _ in windows)
+            summary = {
+                "step_time_ms": 1000 * step_s,
+                "examples_per_sec": self.global_batch_size / step_s,
+                "input_wait_pct": 100 * statistics.median(
+                    min(wait / seconds, 1.0) for _, seconds, wait in windows),
+            }
+        return {**summary, "steps_measured": measured, "steps_excluded": excluded,
+                "too_few_steps": measured < self.MIN_STEPS}
+
+
+def _figures(steps: int, seconds: float, input_wait_s: float, batch: int) -> dict[str, float]:
+    seconds = max(seconds, 1e-9)
+    return {"examples_per_sec": steps * batch / seconds,
+            "step_time_ms": 1000 * seconds / steps,
+            "input_wait_pct": 100 * min(input_wait_s / seconds, 1.0)}

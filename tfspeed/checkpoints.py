@@ -271,3 +271,44 @@ class Checkpoints:
             self.options = tf.train.CheckpointOptions()
             self.manager.save(checkpoint_number=updates, options=self.options)
         self.last_saved = updates
+
+
+MODEL_FILE = "model.keras"
+WEIGHTS_FILE = "model.weights.h5"
+
+
+def export_model(model, model_dir: str) -> dict:
+    """Writes the trained model where a run ends: ``model.weights.h5`` always (any built
+    model saves its weights), ``model.keras`` where the model serialises. A subclassed model
+    without ``get_config`` does not; that costs one warning line, never the run.
+
+    Each file is written under a temporary name and renamed, so a killed save never looks
+    finished.
+
+    Returns:
+      What was written, for report.json: ``{"weights": path, "model": path or None}`` and,
+      where ``model.keras`` could not be written, ``"model_not_saved"``: the reason and how
+      to reload the weights instead.
+    """
+    weights = os.path.join(model_dir, WEIGHTS_FILE)
+    tmp = os.path.join(model_dir, f"model.tmp-{os.getpid()}.weights.h5")
+    model.save_weights(tmp)
+    os.replace(tmp, weights)
+    out = {"weights": weights, "model": None}
+    path = os.path.join(model_dir, MODEL_FILE)
+    tmp = os.path.join(model_dir, f"model.tmp-{os.getpid()}.keras")
+    try:
+        model.save(tmp)
+    except Exception as e:  # noqa: BLE001 -- Keras raises many kinds for what will not serialise
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        why = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+        out["model_not_saved"] = (
+            f"{MODEL_FILE} not written ({type(e).__name__}: {why}); give the model a "
+            f"get_config(), or rebuild it with your function and load {WEIGHTS_FILE} "
+            "(model.load_weights)")
+        logging.warning("%s", out["model_not_saved"])
+        return out
+    os.replace(tmp, path)
+    out["model"] = path
+    return out

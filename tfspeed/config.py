@@ -18,6 +18,7 @@ IMAGE_DTYPES = ("float32", "uint8")
 PARSE_MODES = ("auto", "batched", "single")
 ON_CORRUPT_MODES = ("skip", "fail")
 STRATEGIES = ("auto", "default", "one_device", "mirrored", "multi_worker")
+PRECISIONS = ("auto", "measure", "float32", "mixed_float16", "mixed_bfloat16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,7 +164,10 @@ class RuntimeConfig:
         with ``python -m tfspeed.launch``).
       cpu_replicas: split the CPU into this many logical devices (0: do not split), so
         MirroredStrategy can run on a CPU-only machine.
-      precision: ``auto``, ``float32``, ``mixed_float16`` or ``mixed_bfloat16``.
+      precision: ``auto`` (from the hardware; where bfloat16 is native on a CPU, measured on
+        the model), ``measure`` (always time float32 against the hardware's mixed policy on
+        the model, bfloat16 where it has none), ``float32``, ``mixed_float16`` or
+        ``mixed_bfloat16``.
       xla: ``auto``, ``on`` or ``off``: XLA-compile the per-replica forward+backward.
       intra_op_threads: threads one op may split its work over; 0: TF's default (one per
         core); -1 (``tfspeed.threads.AUTO``): one for a tiny model's step, else the default.
@@ -177,7 +181,7 @@ class RuntimeConfig:
 
     def validate(self) -> RuntimeConfig:
         _choice("strategy", self.strategy, STRATEGIES)
-        _choice("precision", self.precision, ("auto", "float32", "mixed_float16", "mixed_bfloat16"))
+        _choice("precision", self.precision, PRECISIONS)
         _choice("xla", self.xla, ("auto", "on", "off"))
         _non_negative("cpu_replicas", self.cpu_replicas)
         if self.intra_op_threads < -1:

@@ -10,6 +10,7 @@ import sys
 
 from absl import flags
 
+from tfspeed import config as config_lib
 from tfspeed.config import Config, DataConfig, ModelConfig, RuntimeConfig, TrainConfig
 from tfspeed.errors import UsageError
 
@@ -81,8 +82,9 @@ _STRATEGY = flags.DEFINE_enum(
 _CPU_REPLICAS = flags.DEFINE_integer(
     "cpu_replicas", 0, "Split the CPU into N logical devices (exercise MirroredStrategy on CPU).")
 _PRECISION = flags.DEFINE_enum(
-    "precision", "auto", ["auto", "float32", "mixed_float16", "mixed_bfloat16"],
-    "Keras precision policy; auto picks from the hardware.")
+    "precision", "auto", list(config_lib.PRECISIONS),
+    "Keras precision policy; auto picks from the hardware (timed on the model where bfloat16 "
+    "is native on a CPU); measure always times float32 against the mixed policy.")
 _XLA = flags.DEFINE_enum("xla", "auto", ["auto", "on", "off"],
                          "XLA-compile the per-replica step; auto: on for GPU/TPU, off on CPU.")
 _INTRA_OP_THREADS = flags.DEFINE_string(

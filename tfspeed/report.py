@@ -40,9 +40,7 @@ def summary_lines(report: dict) -> list[str]:
     lines = [
         (f"{shown}  " if evaluated else "no evaluation split  ")
         + f"updates={report['optimizer_updates']}",
-        f"throughput: {report['examples_per_sec']:.0f} examples/s, "
-        f"{report['step_time_ms']:.2f} ms/step, {report['input_wait_pct']:.0f}% waiting for "
-        f"input (median over {report['steps_measured']} steps)",
+        _throughput_line(report),
     ]
     if "peak_host_rss_mb" in report:
         lines.append(f"peak host memory: {report['peak_host_rss_mb'] / 1024:.2f} GB")
@@ -53,3 +51,17 @@ def summary_lines(report: dict) -> list[str]:
             f"{runtime['precision']}, xla={'on' if runtime['xla'] else 'off'}"
         )
     return lines
+
+
+def _throughput_line(report: dict) -> str:
+    """The median speed, or why there is none: warm-up (tracing, compilation, profiled and
+    probe calls) is never in it, and a run too short to leave enough other steps says so."""
+    excluded = report.get("steps_excluded", 0)
+    left_out = f"; {excluded} warm-up steps left out" if excluded else ""
+    if report.get("too_few_steps"):
+        return (f"throughput: too few steps measured ({report['steps_measured']}) for a median"
+                f"{left_out}; over all steps: {report['step_time_ms']:.2f} ms/step, warm-up "
+                "included")
+    return (f"throughput: {report['examples_per_sec']:.0f} examples/s, "
+            f"{report['step_time_ms']:.2f} ms/step, {report['input_wait_pct']:.0f}% waiting for "
+            f"input (median over {report['steps_measured']} steps{left_out})")

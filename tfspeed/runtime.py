@@ -145,6 +145,10 @@ def resolve(config: RuntimeConfig, hw: Hardware) -> Plan:
     precision, loss_scale = config.precision, False
     if precision == "auto":
         precision, reasons["precision"] = _auto_precision(hw)
+    elif precision == "measure":  # the driver times float32 against this candidate
+        choice, _ = _auto_precision(hw)
+        precision = "mixed_bfloat16" if choice == "float32" else choice
+        reasons["precision"] = f"measure: float32 against {precision}, timed on this model"
     elif precision == "mixed_float16" and not hw.gpus:
         raise UsageError(
             "--precision=mixed_float16 needs a GPU (this machine has none and emulates float16 "

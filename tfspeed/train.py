@@ -117,7 +117,6 @@ def _build(config: Config, rt, lock: locks.Lock | None, converted_s: float = 0.0
     seconds converting data already spent)."""
     import keras
 
-    from tfspeed import models, objectives
     from tfspeed.data import job_input, pipeline
     from tfspeed.data import schema as schema_lib
 
@@ -140,12 +139,9 @@ def _build(config: Config, rt, lock: locks.Lock | None, converted_s: float = 0.0
     eval_steps = config.train.eval_steps or None
     input_shape = pipeline.input_shape(schema, data)
     if _precision_to_measure(config, rt):
-        rt = _measure_precision(config, rt, schema, inputs, input_shape)
+        rt = _measure_precision(config, rt, schema, inputs, input_shape, num_train)
         keras.utils.set_random_seed(data.seed)  # the probe's models drew from the generator
-    with strategy.scope():
-        model = models.build(config.model, input_shape, schema.num_outputs)
-    goals = objectives.resolve(config.train.loss, config.train.metrics or None, schema.task,
-                               model)
+    model, goals = build_model(config, rt, schema, input_shape)
     # One input pipeline per worker process.
     sharding = pipeline.sharding(len(schema.split(data.train_split).shards), rt.num_workers)
     if data.data_service:
@@ -164,19 +160,72 @@ def _build(config: Config, rt, lock: locks.Lock | None, converted_s: float = 0.0
                data_configs=inputs.configs, objectives=goals)
 
 
+# An engine built to be timed, not to train a run: its schedule never ends early.
+PROBE_UPDATES = 10**6
+
+
+def build_model(config: Config, rt, schema, input_shape: tuple[int, ...]):
+    """The job's model, built in the strategy's scope under the current precision policy,
+    with the loss and metrics resolved for it: the one place a job's model and objectives
+    come from (training, the precision probe, ``tfspeed.tune`` and ``tfspeed.diagnose``).
+
+    Returns:
+      ``(model, objectives)``.
+    """
+    from tfspeed import models, objectives
+
+    with rt.strategy.scope():
+        model = models.build(config.model, input_shape, schema.num_outputs)
+    goals = objectives.resolve(config.train.loss, config.train.metrics or None, schema.task,
+                               model)
+    return model, goals
+
+
+def build_engine(config: Config, rt, model, goals, preprocess=None,
+                 total_updates: int = PROBE_UPDATES):
+    """The engine for ``model`` with the job's objectives and optimisation settings."""
+    from tfspeed import trainer
+
+    return trainer.make_engine(model, goals, config.train, rt, config.data.batch_size,
+                               total_updates, preprocess)
+
+
+def engine_at(config: Config, rt, schema, input_shape, preprocess, precision: str,
+              xla: bool | None = None):
+    """A fresh model and its engine under ``precision`` (and ``xla``), for timing: the
+    job's own model, loss and metrics. Sets the global Keras policy to ``precision``.
+
+    Returns:
+      ``(engine, runtime)``: the runtime with ``precision``/``xla`` in its plan.
+    """
+    import keras
+
+    plan = dataclasses.replace(rt.plan, precision=precision,
+                               loss_scale=precision == "mixed_float16",
+                               xla=rt.plan.xla if xla is None else xla)
+    rt = dataclasses.replace(rt, plan=plan)
+    keras.mixed_precision.set_global_policy(precision)
+    model, goals = build_model(config, rt, schema, input_shape)
+    return build_engine(config, rt, model, goals, preprocess), rt
+
+
 def _precision_to_measure(config: Config, rt) -> bool:
-    """``--precision=auto`` chose bfloat16 for a CPU: measure whether it pays for this model."""
+    """``--precision=measure``, or ``auto`` chose bfloat16 for a CPU: measure whether it
+    pays for this model."""
+    if config.runtime.precision == "measure":
+        return True
     return (config.runtime.precision == "auto" and rt.plan.precision == "mixed_bfloat16"
             and rt.plan.reasons.get("precision", "").startswith("auto: this CPU"))
 
 
-def _measure_precision(config: Config, rt, schema, inputs, input_shape):
-    """Times a few steps of the model in float32 and in mixed_bfloat16 on one real batch;
-    returns the runtime with the faster policy set (``autotune.choose_precision``)."""
+def _measure_precision(config: Config, rt, schema, inputs, input_shape, num_train: int):
+    """Times a few steps of the job's model (its loss and metrics too) in float32 and in the
+    mixed policy on one real batch; returns the runtime with the faster policy set
+    (``autotune.choose_precision``). Logs each stage: tracing a large model takes a while."""
     import keras
     import tensorflow as tf
 
-    from tfspeed import autotune, models, trainer
+    from tfspeed import autotune
     from tfspeed.data import pipeline
 
     data = config.data
@@ -189,22 +238,23 @@ def _measure_precision(config: Config, rt, schema, inputs, input_shape):
                                                     schema=schema)))
         source = iter(rt.strategy.experimental_distribute_dataset(
             tf.data.Dataset.from_tensors(held).repeat()))
+    candidate = rt.plan.precision
     engines = {}
-    for policy in ("float32", rt.plan.precision):
-        keras.mixed_precision.set_global_policy(policy)
-        with rt.strategy.scope():
-            model = models.build(config.model, input_shape, schema.num_outputs)
-        probe = dataclasses.replace(rt, plan=dataclasses.replace(rt.plan, precision=policy))
-        engines[policy] = trainer.make_engine(model, config.train, probe, data.batch_size,
-                                              10**6, inputs.preprocess)
-    seconds = {policy: rt.mean_over_workers(t)
-               for policy, t in autotune.time_steps(engines, source,
-                                                    agree=rt.mean_over_workers).items()}
-    choice, why = autotune.choose_precision(rt.plan.precision, seconds)
+    for policy in ("float32", candidate):
+        logging.info("precision probe: building and tracing the model in %s", policy)
+        engines[policy], _ = engine_at(config, rt, schema, input_shape, inputs.preprocess,
+                                       policy)
+    run_steps = config.train.train_steps * config.train.grad_accum_steps or (
+        config.train.epochs * (num_train // data.batch_size))
+    timed = autotune.time_steps(engines, source, agree=rt.mean_over_workers,
+                                run_steps=run_steps, progress=logging.info)
+    seconds = {policy: rt.mean_over_workers(t) for policy, t in timed.items()}
+    choice, why = autotune.choose_precision(candidate, seconds, config.runtime.precision)
     keras.mixed_precision.set_global_policy(choice)
     logging.info("--precision=%s", why)
     return dataclasses.replace(rt, plan=dataclasses.replace(
-        rt.plan, precision=choice, reasons={**rt.plan.reasons, "precision": why}))
+        rt.plan, precision=choice, loss_scale=choice == "mixed_float16",
+        reasons={**rt.plan.reasons, "precision": why}))
 
 
 def run(config: Config) -> dict:
@@ -271,7 +321,9 @@ def _train_and_report(job: Job) -> dict:
         print(f"worker {rt.worker_index} of {rt.num_workers} finished at update "
               f"{result.optimizer_updates}: weights sha256 {weights}")
         return {"optimizer_updates": result.optimizer_updates, "weights_sha256": weights}
-    _save_model(model, os.path.join(config.model_dir, "model.keras"))
+    from tfspeed import checkpoints
+
+    saved = checkpoints.export_model(model, config.model_dir)
     out = {
         "eval_accuracy": result.eval_metrics.get("accuracy"),
         "eval_loss": result.eval_metrics.get("loss"),
@@ -293,6 +345,7 @@ def _train_and_report(job: Job) -> dict:
         "objectives": job.objectives.report,
         "data_service": service_counts,
         "weights_sha256": weights,
+        "saved": saved,
         "dataset": {"source": schema.source, "num_train": num_train,
                     "num_classes": schema.num_classes, "input_shape": list(input_shape)},
         "config": config.to_json(),
@@ -359,13 +412,6 @@ def _wait_for_data(config: Config, timeout_s: float = 3600.0) -> float:
                              "conversion failed; see its log")
         time.sleep(0.5)
     return time.monotonic() - start
-
-
-def _save_model(model, path: str) -> None:
-    """Saves under a temporary name, then renames: a killed save never looks finished."""
-    tmp = f"{path[: -len('.keras')]}.tmp-{os.getpid()}.keras"
-    model.save(tmp)
-    os.replace(tmp, path)
 
 
 def _peak_rss_mb() -> float:

@@ -126,29 +126,40 @@ def make_optimizer(config: TrainConfig, total_updates: int, global_batch_size: i
     return keras.optimizers.Adam(schedule)
 
 
-def sparse_ce_from_logits(labels, logits):
-    return keras.losses.sparse_categorical_crossentropy(labels, logits, from_logits=True)
-
-
-def make_engine(model: keras.Model, config: TrainConfig, runtime: Runtime,
+def make_engine(model: keras.Model, objectives, config: TrainConfig, runtime: Runtime,
                 global_batch_size: int, total_updates: int, preprocess=None,
-                objectives=None, optimizer=None) -> Engine:
+                optimizer=None) -> Engine:
     """The engine that runs the training step: optimizer, accumulation, XLA, loss scaling.
 
-    ``preprocess`` runs on the inputs inside the compiled step (see ``Engine``);
-    ``objectives`` (``tfspeed.objectives.Objectives``) gives the loss and the metrics
-    (default: cross-entropy on logits and accuracy)."""
-    loss, metrics = ((objectives.loss, objectives.metrics) if objectives is not None
-                     else (sparse_ce_from_logits, None))
+    Args:
+      model: a Keras model built in ``runtime.strategy.scope()``.
+      objectives: the resolved loss and metrics (``tfspeed.objectives.resolve``): there is
+        no default, so an engine never trains on a loss the job did not ask for.
+      config: optimisation settings.
+      runtime: strategy, precision, loss scaling and XLA choice.
+      global_batch_size: examples in one micro-batch, over all replicas.
+      total_updates: the schedule's length in optimizer updates.
+      preprocess: ``x -> x`` on each batch's inputs inside the compiled step.
+      optimizer: a Keras optimizer made in the strategy's scope, instead of ``config``'s.
+
+    Returns:
+      The ``Engine``.
+    """
+    if objectives is None or not callable(getattr(objectives, "loss", None)):
+        raise TypeError("make_engine needs the job's resolved objectives "
+                        "(tfspeed.objectives.resolve), not None")
     with runtime.strategy.scope():
         optimizer = optimizer or make_optimizer(config, total_updates, global_batch_size)
-        return Engine(
-            model, optimizer, runtime.strategy, loss,
+        engine = Engine(
+            model, optimizer, runtime.strategy, objectives.loss,
             EngineOptions(grad_accum_steps=config.grad_accum_steps,
                           steps_per_execution=config.steps_per_execution or 1,
                           xla=runtime.xla, loss_scale=runtime.plan.loss_scale),
-            global_batch_size=global_batch_size, preprocess=preprocess, metrics=metrics,
+            global_batch_size=global_batch_size, preprocess=preprocess,
+            metrics=objectives.metrics,
         )
+    engine.objectives = objectives  # what it trains on, for the reports of probes
+    return engine
 
 
 def fit(
@@ -162,8 +173,8 @@ def fit(
     eval_steps: int | None,
     global_batch_size: int,
     model_dir: str,
+    objectives,
     preprocess=None,
-    objectives=None,
     callbacks=(),
     optimizer=None,
 ) -> FitResult:
@@ -180,8 +191,7 @@ def fit(
       global_batch_size: examples in one micro-batch, over all replicas.
       model_dir: checkpoints and TensorBoard logs go below it.
       preprocess: ``x -> x`` on each batch's inputs inside the compiled step.
-      objectives: the loss and metrics (``tfspeed.objectives``); default cross-entropy on
-        logits and accuracy.
+      objectives: the resolved loss and metrics (``tfspeed.objectives.resolve``).
       callbacks: ``keras.callbacks.Callback``s: ``on_train_begin``/``end`` and
         ``on_epoch_end(epoch, logs)`` with the last logged training metrics.
       optimizer: a Keras optimizer made in the strategy's scope, instead of the one
@@ -196,8 +206,8 @@ def fit(
         raise UsageError(f"one update needs --batch_size x --grad_accum_steps = "
                          f"{global_batch_size * k} examples, more than the train split holds; "
                          "lower them")
-    engine = make_engine(model, config, runtime, global_batch_size, total_updates, preprocess,
-                         objectives, optimizer)
+    engine = make_engine(model, objectives, config, runtime, global_batch_size, total_updates,
+                         preprocess, optimizer)
     with _worker_dir(model_dir, None if runtime.is_chief else runtime.worker_index) as write_dir:
         return _fit(engine, train_data, eval_data, config, runtime, steps_per_epoch,
                     eval_steps, global_batch_size, model_dir, write_dir, total_updates,
@@ -236,8 +246,9 @@ def _fit(engine, train_data, eval_data, config, runtime, steps_per_epoch, eval_s
     resumed = checkpoints.restore()
     finished = resumed >= total_updates
     if finished:
-        logging.warning("%s already holds a run trained to update %d of %d: evaluating only "
-                        "(use a new --model_dir to train again)", model_dir, resumed, total_updates)
+        logging.warning("model_dir %s already holds a run trained to update %d of %d: it "
+                        "resumed at the end, so nothing is trained and it only evaluates (use a "
+                        "new model_dir to train again)", model_dir, resumed, total_updates)
     elif resumed and not checkpoints.restores_position:
         _fast_forward(iterator, int(engine.micro_steps.numpy()) % steps_per_epoch)
     loop = _Loop(engine, config, global_batch_size, write_dir, total_updates * k, steps_per_epoch,
@@ -336,39 +347,86 @@ class _Loop:
         self.profile = (profiling.ProfileWindow(os.path.join(model_dir, "logs"),
                                                 *config.profile_steps)
                         if config.profile_steps else None)
+        self._warm = False  # whether the step function has been traced (by a call)
+        self._logged = self._measured_from = 0  # micro-steps at the last log / measured since
+        self._waited = 0.0
 
     def run(self, iterator, checkpoints, stop) -> None:
         done = int(self.engine.micro_steps.numpy())  # > 0 after a resume
-        if done >= self.total_micro:
-            return  # a finished run: not one more step, not even the tuner's
+        self._logged = done
         spe = self.config.steps_per_execution
-        if not spe:
+        if not spe and done < self.total_micro and self.profile and (
+                self.profile.first <= done + autotune.PROBE_SHARE * (self.total_micro - done)):
+            # The tuner's probe calls would run the window's steps untraced: capture it first
+            # (in calls as long as the window allows), then tune on the steps after it.
+            done = self._steps(iterator, checkpoints, stop, done,
+                               min(self.profile.last, self.total_micro), self.total_micro)
+        if not spe and done < self.total_micro and not stop.signum:
+            probed_from = done
             spe, done = self._tune(iterator, done)
-        logged, waited = done, 0.0
+            # A probe (it may be skipped in a short run) traced the step function.
+            self._warm, self._logged = self._warm or done > probed_from, done
+        # done == total_micro: a finished run, not one more step (not even the tuner's).
+        done = self._steps(iterator, checkpoints, stop, done, self.total_micro, spe)
+        if self.profile:
+            self.profile.stop(done)  # the run ended before or inside the window
+
+    def _steps(self, iterator, checkpoints, stop, done: int, until: int, spe: int) -> int:
+        """Runs calls of up to ``spe`` micro-steps from ``done`` to ``until``; returns ``done``.
+
+        Calls are cut at the profile window's edges, and each of its steps runs as a traced
+        call of its own. The meter measures only settled calls: the first call traces and
+        compiles the step function (the engine passes the step count as a tensor, so it is
+        the only trace), and profiled calls carry the profiler; both are synced at their end
+        and left out, as the tuner's probes are.
+        """
         self.meter.restart()
-        while done < self.total_micro:
-            n = min(spe, self.total_micro - done)
-            if self.profile and self.profile.covers(done):
-                n = 1  # one step per call inside the window: xprof needs a marker per step
-                with self.profile.trace(done):
-                    out = self.engine.train_one(iterator)
-            else:
-                out = self.engine.train(iterator, n)
-            waited = waited + out["input_wait_s"]  # a device-side sum: no sync here
+        self._measured_from, self._waited, out = done, 0.0, None
+        while done < until and not stop.signum:
+            n = min(spe, until - done)
+            profiled = bool(self.profile) and self.profile.covers(done)
+            if self.profile:
+                n = self.profile.limit(done, n)
+            warm_up = profiled or not self._warm
+            if warm_up:
+                self._close_measured(out, done)
+            out = self._call(iterator, done, n, profiled)
             done += n
             if self.profile:
                 self.profile.after(done)
-            if done - logged >= self.config.log_every or done == self.total_micro:
+            if warm_up:
+                self._warm = True
+                self._exclude(out, done)
+            if done - self._logged >= self.config.log_every or done == self.total_micro:
                 checkpoints.check_finite(weights=False)
-                self._log(out, done, done - logged, float(waited))
-                logged, waited = done, 0.0
+                self._log(out, done, done - self._measured_from, float(self._waited))
+                self._logged, self._measured_from, self._waited = done, done, 0.0
             checkpoints.maybe_save(done // self.k)
             if self.callbacks and done // self.steps_per_epoch > (done - n) // self.steps_per_epoch:
                 self._epoch_end(out, done)
-            if stop.signum:
-                break
-        if self.profile:
-            self.profile.stop()  # the run ended inside the window
+        return done
+
+    def _call(self, iterator, done: int, n: int, profiled: bool) -> dict:
+        if profiled:
+            with self.profile.trace(done):
+                out = self.engine.train_one(iterator)
+        else:
+            out = self.engine.train(iterator, n)
+        self._waited = self._waited + out["input_wait_s"]  # a device-side sum: no sync
+        return out
+
+    def _close_measured(self, out, done: int) -> None:
+        """Before a warm-up call: the measured calls since the last log form a window."""
+        if out is not None and done > self._measured_from:
+            out["loss"].numpy()  # they have finished
+            self.meter.close(done - self._measured_from, float(self._waited))
+            self._measured_from, self._waited = done, 0.0
+
+    def _exclude(self, out, done: int) -> None:
+        """Leaves the call that just ended out of the throughput figures (warm-up)."""
+        out["loss"].numpy()  # its time must not spill into the next measured call
+        self.meter.exclude(done - self._measured_from, float(self._waited))
+        self._measured_from, self._waited = done, 0.0
 
     def _log(self, out, done: int, steps: int, waited: float) -> None:
         values = {name: float(v.numpy()) for name, v in out.items()}  # the one sync per log
@@ -379,16 +437,21 @@ class _Loop:
             **metrics, "learning_rate": float(lr.numpy() if hasattr(lr, "numpy") else lr),
             "loss_scale": values["loss_scale"]})
         self.last_metrics = metrics
+        # A window of warm-up calls only has no speed of its own (None; the progress bar
+        # leaves it out).
+        speed = {"examples/s": figures.get("examples_per_sec"),
+                 "input wait %": figures.get("input_wait_pct")}
         self.history.append({"update": updates, "micro_step": done, **metrics,
-                             "examples_per_sec": figures["examples_per_sec"]})
+                             "examples_per_sec": speed["examples/s"]})
         self.progbar.update(updates, [*metrics.items(),
-                                      ("examples/s", figures["examples_per_sec"]),
-                                      ("input wait %", figures["input_wait_pct"])])
+                                      *((k, v) for k, v in speed.items() if figures)])
         if not self.progbar.verbose:
             shown = " ".join(f"{name}={value:.4f}" for name, value in metrics.items())
-            logging.info("update %d/%d (micro-step %d): %s %.0f examples/s, %.0f%% waiting "
-                         "for input", updates, self.total_micro // self.k, done, shown,
-                         figures["examples_per_sec"], figures["input_wait_pct"])
+            rate = (f"{figures['examples_per_sec']:.0f} examples/s, "
+                    f"{figures['input_wait_pct']:.0f}% waiting for input" if figures
+                    else "warm-up (not timed)")
+            logging.info("update %d/%d (micro-step %d): %s %s", updates,
+                         self.total_micro // self.k, done, shown, rate)
 
     def _epoch_end(self, out, done: int) -> None:
         """Keras callbacks hear of each epoch the last execution finished (one host sync)."""

@@ -237,6 +237,7 @@ def measure(config, budget: Budget, probe_dir: str) -> dict:
     finally:
         job.release()
     m["step"] = {key: probe.figures() for key, probe in probes.items() if key != "device"}
+    m["objectives"] = probes[first].engine.objectives.report  # what the timed steps trained
     m["device_step_ratio"] = 1.0
     if "device" in probes:
         m["device_step"] = probes["device"].figures()
@@ -378,21 +379,10 @@ class _Probe:
 def _probe(job, source, precision: str, xla: str) -> _Probe:
     """Builds the model and engine at ``precision``/``xla``, traces it, and measures a call's
     fixed overhead (calls of 0 steps)."""
-    import keras
+    from tfspeed import train
 
-    from tfspeed import models, objectives, trainer
-
-    rt = job.runtime
-    rt = dataclasses.replace(rt, plan=dataclasses.replace(rt.plan, precision=precision,
-                                                          xla=xla == "on"))
-    keras.mixed_precision.set_global_policy(precision)
-    config = job.config
-    with rt.strategy.scope():
-        model = models.build(config.model, job.input_shape, job.schema.num_outputs)
-    goals = objectives.resolve(config.train.loss, config.train.metrics or None,
-                               job.schema.task, model)
-    engine = trainer.make_engine(model, config.train, rt, config.data.batch_size, 10**6,
-                                 job.preprocess, goals)
+    engine, _ = train.engine_at(job.config, job.runtime, job.schema, job.input_shape,
+                                job.preprocess, precision, xla=xla == "on")
     engine.train(source, 1)["loss"].numpy()  # traces
     start = time.perf_counter()
     engine.train(source, 1)["loss"].numpy()
@@ -478,7 +468,8 @@ def verify(config, c: Candidate | None, run_dir: str, plan: RunPlan) -> dict:
     return {"examples_per_sec": report["examples_per_sec"],
             "seconds": round(seconds, 2), "micro_steps": plan.micro_steps,
             "expected_seconds": round(plan.seconds, 1),
-            "input_wait_pct": report.get("input_wait_pct"), "resolved": _resolved(report)}
+            "input_wait_pct": report.get("input_wait_pct"), "resolved": _resolved(report),
+            "objectives": report.get("objectives")}
 
 
 def knob_values(c: Candidate) -> dict:
@@ -695,8 +686,16 @@ def write_flags(path: str, flag_args: list[str], config, chosen: dict | None, us
         head += (f", {measured / user['measured']['examples_per_sec']:.2f}x the original's "
                  f"{user['measured']['examples_per_sec']:,.0f} (predicted "
                  f"{chosen['examples_per_sec']:,.0f})")
-    lines = [head, *(a for a in flag_args if a.startswith("--") and not
+    lines = [head, *(_absolute(a) for a in flag_args if a.startswith("--") and not
                      a.startswith(("--budget_s", "--tune_dir", "--verify", "--measure_to")))]
+    # A nested flagfile's own relative paths resolve from where the tune ran: pin them, so
+    # the tuned flags train the same job from any directory.
+    given = {a[2:].partition("=")[0] for a in flag_args}
+    pinned = [f"--{name}={value}" for name, value in _resolved_paths(config)
+              if name not in given]
+    if pinned:
+        lines += [f"# paths resolved from {os.getcwd()}, so these flags work from anywhere",
+                  *pinned]
     for name, value in changed.items():
         lines.append(f"# {reason(name, str(value), chosen['candidate'], m)}")
         lines.append(f"--{name}={value}")
@@ -704,6 +703,34 @@ def write_flags(path: str, flag_args: list[str], config, chosen: dict | None, us
         f.write("\n".join(lines) + "\n")
     os.replace(path + ".tmp", path)
     return {"path": path, "changed": changed}
+
+
+_PATH_FLAGS = ("flagfile", "data_dir", "model_dir")
+
+
+def _absolute(arg: str) -> str:
+    """``--flag=path`` with the path made absolute, for the flags that name paths."""
+    name, _, value = arg[2:].partition("=")
+    if name in _PATH_FLAGS and value:
+        return f"--{name}={os.path.abspath(value)}"
+    if name == "prepare_source" and value:
+        return f"--{name}={_absolute_source(value)}"
+    return arg
+
+
+def _absolute_source(spec: str) -> str:
+    """``KIND:PATH`` with PATH absolute (``digits``, ``tfds:NAME`` as they are)."""
+    kind, sep, path = spec.partition(":")
+    return f"{kind}:{os.path.abspath(path)}" if sep and kind != "tfds" else spec
+
+
+def _resolved_paths(config) -> list[tuple[str, str]]:
+    """The job's paths, absolute: what its flags (nested flagfiles too) resolved to here."""
+    paths = [("data_dir", os.path.abspath(config.data.data_dir)),
+             ("model_dir", os.path.abspath(config.model_dir))]
+    if config.data.prepare_source:
+        paths.append(("prepare_source", _absolute_source(config.data.prepare_source)))
+    return paths
 
 
 def reason(name: str, value: str, c: Candidate, m: dict) -> str:

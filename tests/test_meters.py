@@ -1,0 +1,81 @@
+"""Throughput figures: warm-up (tracing, profiled calls, the tuner's probes) stays out."""
+
+import time
+
+import pytest
+
+from tfspeed import report as report_lib
+from tfspeed.callbacks import ThroughputMeter
+from tfspeed.config import Config, DataConfig, ModelConfig, RuntimeConfig, TrainConfig
+from tfspeed.train import run
+
+
+def _run(data_dir, model_dir, **train):
+    return run(Config(
+        data=DataConfig(data_dir=data_dir, batch_size=32, input_placement="host"),
+        model=ModelConfig(name="mlp", width=16),
+        runtime=RuntimeConfig(precision="float32"),
+        train=TrainConfig(**{"log_every": 100, **train}),
+        model_dir=str(model_dir),
+    ).validate())
+
+
+def test_the_meter_leaves_excluded_steps_out_of_the_median():
+    meter = ThroughputMeter(32)
+    time.sleep(0.05)
+    meter.exclude(16)  # a slow call that traced
+    meter.tick(20, 36)
+    summary = meter.summary()
+    assert summary["steps_measured"] == 20 and summary["steps_excluded"] == 16
+    assert not summary["too_few_steps"]
+    # The 50 ms of the excluded call are in no window: the median is the ticked window's.
+    assert summary["step_time_ms"] == 1000 * meter.windows[0][1] / 20
+
+
+def test_too_few_measured_steps_are_flagged_not_passed_off_as_a_median():
+    meter = ThroughputMeter(32)
+    meter.exclude(16)
+    meter.tick(ThroughputMeter.MIN_STEPS - 1, 16 + ThroughputMeter.MIN_STEPS - 1)
+    summary = meter.summary()
+    assert summary["too_few_steps"] and summary["steps_measured"] == ThroughputMeter.MIN_STEPS - 1
+    line = report_lib.summary_lines({"optimizer_updates": 1, **summary})[1]
+    assert line.startswith(f"throughput: too few steps measured "
+                           f"({ThroughputMeter.MIN_STEPS - 1}) for a median; 16 warm-up steps")
+    assert "median over" not in line
+
+
+def test_a_window_of_warm_up_only_logs_no_speed():
+    meter = ThroughputMeter(32)
+    meter.exclude(8)
+    assert meter.tick(0, 8) == {} and meter.windows == []
+    assert meter.summary()["too_few_steps"]
+
+
+@pytest.mark.parametrize("steps_per_execution", [16, 0])  # 0: auto, too short to probe: 16
+def test_a_short_run_times_only_the_calls_after_the_trace(digits_dir, tmp_path,
+                                                          steps_per_execution):
+    """One log window for the whole run: before, it held the call that traced, and a
+    3-epoch digits run reported 3.5x the step time of a 30-epoch one."""
+    report = _run(digits_dir, tmp_path, train_steps=40, steps_per_execution=steps_per_execution)
+    assert report["steps_excluded"] == 16  # the first call: it traced the step function
+    assert report["steps_measured"] == 24
+    assert not report["too_few_steps"]
+    assert report["step_time_ms"] > 0
+
+
+def test_a_run_too_short_for_a_median_says_so(digits_dir, tmp_path, capsys):
+    report = _run(digits_dir, tmp_path, train_steps=20, steps_per_execution=16)
+    assert (report["steps_excluded"], report["steps_measured"]) == (16, 4)
+    assert report["too_few_steps"]
+    assert report["examples_per_sec"] > 0  # a figure for tools, flagged, over all steps
+    assert "throughput: too few steps measured (4) for a median" in capsys.readouterr().out
+
+
+def test_the_tuners_probes_and_the_profile_window_are_not_timed(digits_dir, tmp_path):
+    report = _run(digits_dir, tmp_path, train_steps=400, steps_per_execution=0,
+                  profile_steps=(380, 381))
+    probe = report["steps_per_execution"]["probe_steps"]  # the probe traced the function
+    assert probe > 0
+    # The window and one step on each side ran traced, one per call.
+    assert report["steps_excluded"] == 4
+    assert report["steps_measured"] == 400 - probe - 4
