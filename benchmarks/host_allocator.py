@@ -5,7 +5,7 @@
 Without oneDNN, TensorFlow allocates CPU tensors with malloc. On Linux oneDNN is off by
 default on CPUs without VNNI or AMX (Skylake and older, Zen 1-3), and everywhere with
 TF_ENABLE_ONEDNN_OPTS=0. ``import tfspeed`` then asks for TensorFlow's BFC allocator
-instead (``tfspeed.hostmem``). This runs pipelines of ``benchmarks/input_pipeline.py``
+instead (``tfspeed.runtime.hostmem``). This runs pipelines of ``benchmarks/input_pipeline.py``
 (the same photos, conversions and timing: best epoch, median CPU-ms and page faults per image,
 a process per pipeline, interleaved rounds) with oneDNN off, as on such a CPU:
 

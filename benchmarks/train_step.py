@@ -77,8 +77,8 @@ def run_fit(data_dir: str, model_name: str, batch: int, epochs: int) -> dict:
     import keras
 
     import tfspeed.data
-    from tfspeed import models
     from tfspeed.config import ModelConfig
+    from tfspeed.training import models
 
     x, y = arrays(data_dir)
     schema = tfspeed.data.read_schema(data_dir)
@@ -107,9 +107,10 @@ def run_ceiling(data_dir: str, batch: int) -> dict:
     import tensorflow as tf
 
     import tfspeed.data
-    from tfspeed import models, objectives, runtime, trainer
+    from tfspeed import runtime
     from tfspeed.config import ModelConfig, RuntimeConfig, TrainConfig
     from tfspeed.data import ingraph
+    from tfspeed.training import models, objectives, trainer
 
     schema = tfspeed.data.read_schema(data_dir)
     source = ingraph.load(tfspeed.data.DataConfig(data_dir=data_dir, batch_size=batch), schema,
@@ -170,7 +171,7 @@ def run_job(args: list[str], model_dir: str) -> dict:
     import shutil
 
     shutil.rmtree(model_dir, ignore_errors=True)
-    from tfspeed import flags as tfspeed_flags
+    from tfspeed.config import flags as tfspeed_flags
     from tfspeed.train import run
 
     tfspeed_flags.parse(["tfspeed.train", *args, f"--model_dir={model_dir}"])
@@ -233,7 +234,7 @@ def _deep_cnn(config, input_shape, num_classes):
     """Sixteen convs at full resolution in 4 blocks: activations dominate memory (remat's case)."""
     import keras
 
-    from tfspeed.models import block
+    from tfspeed.training.models import block
 
     inputs = keras.Input(tuple(input_shape))
     x = inputs
@@ -249,7 +250,7 @@ def _deep_cnn(config, input_shape, num_classes):
 def main(argv):
     del argv
     if _VARIANT.value:
-        from tfspeed import models
+        from tfspeed.training import models
 
         models.MODELS.setdefault("cnn_deep", _deep_cnn)
         print("RESULT " + json.dumps(run_variant(_VARIANT.value)))

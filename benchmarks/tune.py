@@ -96,8 +96,8 @@ def tune_workload(workdir: str, name: str) -> dict:
 
 def grid(workdir: str, name: str) -> dict:
     """Measures every grid cell, the user's flags and the tuned flags (in this process)."""
-    from tfspeed import flags as tfspeed_flags
     from tfspeed import tune
+    from tfspeed.config import flags as tfspeed_flags
 
     with open(os.path.join(workdir, "tune", name, "tune.json")) as f:
         tuned = json.load(f)

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from tfspeed.config import DataConfig
-from tfspeed.data import pipeline, service
+from tfspeed.data import pipeline
+from tfspeed.data import service_client as service
 
 REPO = Path(__file__).resolve().parents[1]
 RECORDS, FEATURES = 96, 4
@@ -120,7 +121,7 @@ def test_dynamic_sharding_delivers_every_record_once_per_epoch(cluster, numbered
 
 
 def test_file_sharding_splits_the_files_between_a_fixed_worker_list(numbered_dir, tmp_path):
-    from tfspeed.cli import free_ports
+    from tfspeed.util.cli import free_ports
 
     ports = free_ports(2)
     listed = ",".join(f"localhost:{port}" for port in ports)
@@ -140,7 +141,7 @@ def test_file_sharding_splits_the_files_between_a_fixed_worker_list(numbered_dir
 
 
 def test_dispatcher_restarted_from_its_work_dir_carries_on(digits_dir, tmp_path):
-    from tfspeed.cli import free_ports
+    from tfspeed.util.cli import free_ports
 
     port = free_ports(1)[0]
     journal = f"--work_dir={tmp_path}"
@@ -343,7 +344,7 @@ def _train(args, cwd=REPO):
 
 
 def test_unreachable_dispatcher_is_one_line(digits_dir, tmp_path):
-    from tfspeed.cli import free_ports
+    from tfspeed.util.cli import free_ports
 
     port = free_ports(1)[0]
     code, err = _train([f"--data_dir={digits_dir}", f"--model_dir={tmp_path}",

@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from tfspeed import advice, diagnose
+from tfspeed import diagnose
 from tfspeed.config import Config, DataConfig, ModelConfig, RuntimeConfig, TrainConfig
+from tfspeed.diagnosis import advice
 
 QUICK = diagnose.Options(steps=12, warmup=3, profile_steps=6)
 

@@ -9,10 +9,10 @@ import pytest
 import tensorflow as tf
 
 import tfspeed.data
-from tfspeed import models, trainer
 from tfspeed.config import Config, DataConfig, ModelConfig, RuntimeConfig, TrainConfig
 from tfspeed.errors import UsageError
 from tfspeed.train import run
+from tfspeed.training import models, trainer
 
 
 def _config(data_dir, model_dir, *, batch=32, accum=1, steps=6, strategy="default",

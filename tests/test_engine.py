@@ -1,4 +1,4 @@
-"""Tests for tfspeed.engine on real TF: 1 replica and MirroredStrategy over 2 logical CPUs.
+"""Tests for tfspeed.training.engine on real TF: 1 replica and MirroredStrategy over 2 logical CPUs.
 
 Tiny model (Dense(8)->Dense(3)), fixed weights, fixed data order, no shuffling. Max abs weight
 differences measured on the 2-core CPU box (TF 2.21, Keras 3.15) are noted next to each tolerance.
@@ -10,8 +10,8 @@ import os
 
 import pytest
 
-from tfspeed import engine as eng_lib
 from tfspeed.runtime import mirrored_strategy
+from tfspeed.training import engine as eng_lib
 
 eng_lib.ensure_cpu_devices(2)  # before any op runs in this process
 

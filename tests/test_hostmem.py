@@ -9,7 +9,7 @@ import sys
 import pytest
 from conftest import REPO
 
-from tfspeed import hostmem
+from tfspeed.runtime import hostmem
 
 OLD_CPU = frozenset({"sse4_2", "avx", "avx2", "fma", "avx512f"})  # e.g. Skylake-SP, Zen 3
 NEW_CPU = OLD_CPU | {"avx512_vnni", "avx512_bf16"}  # e.g. Sapphire Rapids, Zen 4
@@ -47,7 +47,7 @@ if {tensor_first}:
     import tensorflow as tf
     tf.zeros([3])  # TensorFlow makes its CPU allocator here
 import tfspeed
-from tfspeed import hostmem
+from tfspeed.runtime import hostmem
 print(json.dumps({{"allocator": hostmem.describe(), "advice": hostmem.advice()}}))
 """
 

@@ -17,11 +17,12 @@ from absl.testing import flagsaver
 
 import tfspeed
 from tests.conftest import REPO
-from tfspeed import diagnose, trainer
-from tfspeed import flags as tfspeed_flags
+from tfspeed import diagnose
 from tfspeed.config import TrainConfig
+from tfspeed.config import flags as tfspeed_flags
 from tfspeed.errors import UsageError
 from tfspeed.train import run
+from tfspeed.training import trainer
 
 ENV = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
 

@@ -4,10 +4,10 @@ import time
 
 import pytest
 
-from tfspeed import report as report_lib
-from tfspeed.callbacks import ThroughputMeter
 from tfspeed.config import Config, DataConfig, ModelConfig, RuntimeConfig, TrainConfig
 from tfspeed.train import run
+from tfspeed.training import report as report_lib
+from tfspeed.training.meters import ThroughputMeter
 
 
 def _run(data_dir, model_dir, **train):

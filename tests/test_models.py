@@ -6,9 +6,9 @@ import pytest
 import tensorflow as tf
 
 import tfspeed.data
-from tfspeed import models
 from tfspeed.config import ModelConfig
-from tfspeed.engine import Engine
+from tfspeed.training import models
+from tfspeed.training.engine import Engine
 
 
 def _cross_entropy(labels, logits):

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 from absl.testing import flagsaver
 
-from tfspeed import flags as tfspeed_flags
 from tfspeed import runtime
 from tfspeed.config import RuntimeConfig
+from tfspeed.config import flags as tfspeed_flags
 from tfspeed.errors import UsageError
 from tfspeed.train import run
 
@@ -155,7 +155,7 @@ def test_a_live_workers_directory_is_refused_and_a_dead_ones_removed(tmp_path):
     """Worker 1 of another job, still running, owns MODEL_DIR/.worker-1-PID: a second job's
     worker 1 stops with one line naming it, instead of deleting its directory. Once that
     process is dead (SIGKILL), its directory is stale and removed."""
-    from tfspeed.trainer import _worker_dir
+    from tfspeed.training.trainer import _worker_dir
 
     holder = subprocess.Popen(  # the real context, in a light process (no TensorFlow)
         [sys.executable, "-c", "import os, sys, time\nfrom tfspeed import locks\n"

@@ -14,7 +14,7 @@ from absl.testing import flagsaver
 
 import tfspeed
 from tests.conftest import REPO
-from tfspeed import flags as tfspeed_flags
+from tfspeed.config import flags as tfspeed_flags
 from tfspeed.errors import UsageError
 from tfspeed.train import run
 

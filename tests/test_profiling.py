@@ -6,8 +6,8 @@ import re
 import pytest
 import tensorflow as tf
 
-from tfspeed import profiling
 from tfspeed.config import Config, DataConfig, ModelConfig, RuntimeConfig, TrainConfig
+from tfspeed.diagnosis import profiling
 from tfspeed.train import run
 
 
@@ -121,7 +121,7 @@ def test_summary_lines_read_plainly():
 def test_the_meter_keeps_tracing_its_scalar_write_out_of_the_next_window(tmp_path):
     import time
 
-    from tfspeed.callbacks import ThroughputMeter
+    from tfspeed.training.meters import ThroughputMeter
 
     meter = ThroughputMeter(32, str(tmp_path))
     start = time.perf_counter()

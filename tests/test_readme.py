@@ -9,8 +9,8 @@ import keras
 from absl.testing import flagsaver
 
 from tests.conftest import REPO
-from tfspeed import flags as tfspeed_flags
 from tfspeed import train
+from tfspeed.config import flags as tfspeed_flags
 
 
 def _examples() -> dict[str, str]:

@@ -6,9 +6,9 @@ import pytest
 from tfspeed.config import RuntimeConfig
 from tfspeed.errors import UsageError
 from tfspeed.runtime import Hardware, resolve
-from tfspeed.threads import AUTO as AUTO_THREADS
-from tfspeed.threads import choose as choose_threads
-from tfspeed.threads import forward_flops
+from tfspeed.runtime.threads import AUTO as AUTO_THREADS
+from tfspeed.runtime.threads import choose as choose_threads
+from tfspeed.runtime.threads import forward_flops
 
 CPU_PLAIN = Hardware(cpu_flags=frozenset({"avx2", "fma"}))
 CPU_BF16 = Hardware(cpu_flags=frozenset({"avx2", "avx512_bf16"}))
@@ -93,8 +93,8 @@ def test_intra_op_threads_choice(requested, flops, gpus, threads, reason):
 def test_forward_flops_counts_the_mlp_without_starting_tensorflow():
     """The 256-256 MLP on 8x8 digits at batch 32: its three matmuls are 2·32·(64·256 +
     256·256 + 256·10) FLOPs, plus bias adds; counted in a graph, so no op runs."""
-    from tfspeed import models
     from tfspeed.config import ModelConfig
+    from tfspeed.training import models
 
     flops = forward_flops(lambda: models.build(ModelConfig(name="mlp"), (8, 8, 1), 10),
                           (8, 8, 1), 32)

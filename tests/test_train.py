@@ -10,8 +10,8 @@ from absl import flags
 from absl.testing import flagsaver
 from conftest import REPO
 
-from tfspeed import flags as tfspeed_flags
 from tfspeed import train
+from tfspeed.config import flags as tfspeed_flags
 from tfspeed.errors import UsageError
 
 REPORT_KEYS = {"eval_accuracy", "eval_loss", "examples_per_sec", "step_time_ms",
@@ -132,7 +132,7 @@ def test_cli_error_is_one_line_without_traceback(tmp_path):
 
 
 def test_flags_module_is_the_only_flag_reader():
-    """Library modules take config values; only tfspeed.flags defines or reads absl flags."""
+    """Library modules take config values; only tfspeed.config.flags defines or reads absl flags."""
     assert "data_dir" in flags.FLAGS
     for module in ("config", "data/pipeline", "trainer", "runtime", "models"):
         source = (REPO / "tfspeed" / f"{module}.py").read_text()

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfspeed.transformer import (
+from tfspeed.training.transformer import (
     accumulated_gradients,
     build_transformer,
     correct_sum,

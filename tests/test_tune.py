@@ -119,7 +119,7 @@ def tuned(regression_dir, user_objectives, tmp_path_factory):
     it (measuring in its child process, verifying here)."""
     from absl.testing import flagsaver
 
-    from tfspeed import flags as tfspeed_flags
+    from tfspeed.config import flags as tfspeed_flags
 
     root = tmp_path_factory.mktemp("tune")
     flagfile = root / "job.flags"
@@ -155,7 +155,7 @@ def test_a_tune_writes_flags_that_nest_the_original_and_train(tuned, regression_
     # The driver reads the tuned flags as they are, with the changed values applied.
     from absl.testing import flagsaver
 
-    from tfspeed import flags as tfspeed_flags
+    from tfspeed.config import flags as tfspeed_flags
 
     with flagsaver.flagsaver():
         tfspeed_flags.parse(["tfspeed.train",
@@ -196,7 +196,7 @@ def test_tuned_flags_train_the_same_job_from_any_directory(tmp_path, monkeypatch
     flags that resolve to the same job from another working directory."""
     from absl.testing import flagsaver
 
-    from tfspeed import flags as tfspeed_flags
+    from tfspeed.config import flags as tfspeed_flags
 
     (tmp_path / "project" / "pipelines").mkdir(parents=True)
     (tmp_path / "project" / "pipelines" / "job.flags").write_text(

@@ -2,7 +2,7 @@
 
 Measure first, then remove the bottleneck. The package is split by concern:
 ``tfspeed.convert`` (the converter), ``tfspeed.data`` (tf.data pipeline builders),
-``tfspeed.runtime`` (strategy, precision, XLA), ``tfspeed.models``, ``tfspeed.trainer`` and
+``tfspeed.runtime`` (strategy, precision, XLA), ``tfspeed.training.models``, ``tfspeed.training.trainer`` and
 the ``tfspeed.train`` entry point.
 """
 
@@ -25,16 +25,16 @@ if not _has_tensorflow():
 __version__ = "0.1.0"
 
 # Before TensorFlow makes its CPU allocator: a BFC pool where it would use malloc (see
-# tfspeed.hostmem; 1.3-4.1x faster decoding input pipelines on CPUs without oneDNN's pool).
-from tfspeed import hostmem as _hostmem  # noqa: E402
+# tfspeed.runtime.hostmem; 1.3-4.1x faster decoding input pipelines on CPUs without oneDNN's pool).
+from tfspeed.runtime import hostmem as _hostmem  # noqa: E402
 
 _hostmem.apply()
 
 
 def fit(*args, **kwargs):
     """Trains your own Keras model on any ``tf.data.Dataset`` with tfspeed's engine; see
-    ``tfspeed.api.fit`` (imported lazily: ``import tfspeed`` stays free of TensorFlow)."""
-    from tfspeed.api import fit as _fit
+    ``tfspeed.training.api.fit`` (imported lazily: ``import tfspeed`` stays free of TensorFlow)."""
+    from tfspeed.training.api import fit as _fit
 
     return _fit(*args, **kwargs)
 

@@ -20,8 +20,8 @@ import time
 
 from absl import app, flags, logging
 
-from tfspeed.cli import free_ports, main_entry
 from tfspeed.errors import UsageError, exit_on_usage_error
+from tfspeed.util.cli import free_ports, main_entry
 
 COMMANDS = ("dispatcher", "worker")
 
@@ -67,7 +67,7 @@ def worker(dispatcher_address: str, port: int = 0, host: str = "localhost"):
     """Starts a worker for the dispatcher at ``dispatcher_address``; returns the server."""
     import tensorflow as tf
 
-    from tfspeed.data import service
+    from tfspeed.data import service_client as service
 
     service.check_reachable(dispatcher_address)
     svc = tf.data.experimental.service

@@ -20,10 +20,10 @@ import time
 
 from absl import app, logging
 
-from tfspeed import flags as tfspeed_flags
-from tfspeed import hostmem
-from tfspeed.cli import main_entry
+from tfspeed.config import flags as tfspeed_flags
 from tfspeed.errors import UsageError
+from tfspeed.runtime import hostmem
+from tfspeed.util.cli import main_entry
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,7 +166,7 @@ def _time_engine_with_wait(engine, iterator, options: Options) -> tuple[float, f
 
 
 def _profile(engine, iterator, options: Options, out_dir: str) -> dict:
-    from tfspeed import profiling
+    from tfspeed.diagnosis import profiling
 
     window = profiling.ProfileWindow(os.path.join(out_dir, "logs"), 1, options.profile_steps)
     for step in range(options.profile_steps):
@@ -216,7 +216,7 @@ def _memory() -> dict:
 
 def decide(job, figures: dict) -> dict:
     """The verdict and the next steps, from the figures (pure: no measuring here)."""
-    from tfspeed import advice
+    from tfspeed.diagnosis import advice
 
     config = dataclasses.replace(job.config, data=job.train_data_config)  # cache resolved
     return advice.decide(config, job.schema, job.runtime.plan, figures)

@@ -24,8 +24,8 @@ import time
 
 from absl import app, flags
 
-from tfspeed.cli import free_ports
 from tfspeed.errors import UsageError, exit_on_usage_error
+from tfspeed.util.cli import free_ports
 
 _WORKERS = flags.DEFINE_integer("workers", 2, "Worker processes to start.")
 _MAX_RESTARTS = flags.DEFINE_integer(

@@ -13,11 +13,11 @@ import sys
 
 from absl import app, logging
 
-from tfspeed import flags as tfspeed_flags
-from tfspeed import locks
-from tfspeed.cli import main_entry
 from tfspeed.config import Config
+from tfspeed.config import flags as tfspeed_flags
 from tfspeed.errors import UsageError
+from tfspeed.util import locks
+from tfspeed.util.cli import main_entry
 
 
 @dataclasses.dataclass
@@ -39,7 +39,7 @@ class Job:
     preprocess: object = None  # runs on each batch's inputs inside the compiled step
     input_report: dict = dataclasses.field(default_factory=dict)
     data_configs: dict = dataclasses.field(default_factory=dict)  # per split, cache resolved
-    objectives: object = None  # the loss and metrics (tfspeed.objectives)
+    objectives: object = None  # the loss and metrics (tfspeed.training.objectives)
 
     @property
     def train_data_config(self):
@@ -94,10 +94,11 @@ def prepare(config: Config) -> Job:
 
 
 def _forward_flops(config: Config, replicas: int) -> float | None:
-    """The model's forward FLOPs per replica step (``tfspeed.threads``); None without data."""
-    from tfspeed import models, threads
+    """The model's forward FLOPs per replica step (``tfspeed.runtime.threads``); None without data."""
     from tfspeed.data import pipeline
     from tfspeed.data import schema as schema_lib
+    from tfspeed.runtime import threads
+    from tfspeed.training import models
 
     if not os.path.exists(os.path.join(config.data.data_dir, schema_lib.SCHEMA_FILE)):
         return None  # the real build reports the missing data
@@ -125,7 +126,7 @@ def _build(config: Config, rt, lock: locks.Lock | None, converted_s: float = 0.0
     schema = schema_lib.read(config.data.data_dir)
     data = config.data
     if data.data_service:
-        from tfspeed.data import service
+        from tfspeed.data import service_client as service
 
         service.check_reachable(data.data_service)
     num_train = schema.split(data.train_split).num_records
@@ -172,7 +173,7 @@ def build_model(config: Config, rt, schema, input_shape: tuple[int, ...]):
     Returns:
       ``(model, objectives)``.
     """
-    from tfspeed import models, objectives
+    from tfspeed.training import models, objectives
 
     with rt.strategy.scope():
         model = models.build(config.model, input_shape, schema.num_outputs)
@@ -184,7 +185,7 @@ def build_model(config: Config, rt, schema, input_shape: tuple[int, ...]):
 def build_engine(config: Config, rt, model, goals, preprocess=None,
                  total_updates: int = PROBE_UPDATES):
     """The engine for ``model`` with the job's objectives and optimisation settings."""
-    from tfspeed import trainer
+    from tfspeed.training import trainer
 
     return trainer.make_engine(model, goals, config.train, rt, config.data.batch_size,
                                total_updates, preprocess)
@@ -225,8 +226,8 @@ def _measure_precision(config: Config, rt, schema, inputs, input_shape, num_trai
     import keras
     import tensorflow as tf
 
-    from tfspeed import autotune
     from tfspeed.data import pipeline
+    from tfspeed.tuning import autotune
 
     data = config.data
     if hasattr(inputs.train, "replica_batch"):
@@ -298,8 +299,8 @@ def data_errors(data_dir: str):
 
 def _train_and_report(job: Job) -> dict:
 
-    from tfspeed import report, trainer
     from tfspeed.data import cache as data_cache
+    from tfspeed.training import report, trainer
 
     config = job.config
     model, rt, schema, data = job.model, job.runtime, job.schema, config.data
@@ -321,7 +322,7 @@ def _train_and_report(job: Job) -> dict:
         print(f"worker {rt.worker_index} of {rt.num_workers} finished at update "
               f"{result.optimizer_updates}: weights sha256 {weights}")
         return {"optimizer_updates": result.optimizer_updates, "weights_sha256": weights}
-    from tfspeed import checkpoints
+    from tfspeed.training import checkpoints
 
     saved = checkpoints.export_model(model, config.model_dir)
     out = {
@@ -354,7 +355,7 @@ def _train_and_report(job: Job) -> dict:
     for line in report.summary_lines(out):
         print(line)
     if config.train.profile_steps:
-        from tfspeed import profiling
+        from tfspeed.diagnosis import profiling
 
         for line in profiling.summary_lines(result.profile):
             print(line)
@@ -380,7 +381,7 @@ def _service_report(data, rt) -> dict:
     """What the service delivered, summed over the training workers."""
     if not data.data_service:
         return {}
-    from tfspeed.data import service
+    from tfspeed.data import service_client as service
 
     splits = service.report()
     if rt.num_workers > 1:  # every worker must take part in these all-reduces
@@ -459,7 +460,7 @@ def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise UsageError(f"unexpected arguments {argv[1:]}: every option is a --flag")
     config = tfspeed_flags.to_config()
-    from tfspeed import trainer
+    from tfspeed.training import trainer
 
     try:
         run(config)

@@ -34,9 +34,9 @@ import time
 
 from absl import app, flags, logging
 
-from tfspeed import flags as tfspeed_flags
-from tfspeed.cli import main_entry
+from tfspeed.config import flags as tfspeed_flags
 from tfspeed.errors import UsageError
+from tfspeed.util.cli import main_entry
 
 _BUDGET_S = flags.DEFINE_float("budget_s", 90.0, "Seconds the whole tune may take.")
 _TUNE_DIR = flags.DEFINE_string("tune_dir", "", "Where tuned.flags, tune.json and tune.png "
@@ -166,7 +166,7 @@ def rank(m: dict) -> list[dict]:
 
 def spe_choices(step: dict, per_epoch: int) -> list[int]:
     """1, and the cost model's N (``autotune.steps_per_execution``) when it is more."""
-    from tfspeed import autotune
+    from tfspeed.tuning import autotune
 
     n = autotune.steps_per_execution(
         autotune.CallCost(step["overhead_s"], max(step["step_s"], 1e-9)), max(per_epoch, 1))

@@ -20,7 +20,7 @@ import json
 import os
 import sys
 
-from tfspeed.cli import import_tensorflow_quietly, main_entry
+from tfspeed.util.cli import import_tensorflow_quietly, main_entry
 
 if __name__ == "__main__":
     import_tensorflow_quietly()  # tfspeed.data imports TF: keep its start-up banner off stderr

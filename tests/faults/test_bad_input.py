@@ -11,7 +11,7 @@ import pytest
 from absl.testing import flagsaver
 from conftest import REPO
 
-from tfspeed import flags as tfspeed_flags
+from tfspeed.config import flags as tfspeed_flags
 from tfspeed.errors import UsageError
 from tfspeed.train import run
 

@@ -22,11 +22,11 @@ from absl.testing import flagsaver
 
 from tests.conftest import REPO
 from tfspeed import diagnose
-from tfspeed import flags as tfspeed_flags
 from tfspeed.config import Config, DataConfig, ModelConfig, RuntimeConfig, TrainConfig
+from tfspeed.config import flags as tfspeed_flags
 from tfspeed.errors import UsageError
 from tfspeed.train import run
-from tfspeed.trainer import LossDiverged
+from tfspeed.training.trainer import LossDiverged
 
 NOT_CHECKPOINTED = "the input position is not checkpointed"
 

@@ -160,7 +160,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def run(argv: Sequence[str] | None = None) -> None:
-    """CLI entry point (``tfspeed.cli.convert_main`` wraps it with a quiet TF import)."""
+    """CLI entry point (``tfspeed.util.cli.convert_main`` wraps it with a quiet TF import)."""
     sys.exit(main(argv))
 
 

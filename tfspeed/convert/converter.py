@@ -20,13 +20,13 @@ from collections.abc import Callable
 
 from absl import logging
 
-from tfspeed import locks
 from tfspeed.convert import plan as plan_lib
 from tfspeed.convert import runners, source_files, sources, writer
 from tfspeed.convert import storage as storage_lib
 from tfspeed.convert.sources import lengths
 from tfspeed.data.schema import Schema, Split, names_of
 from tfspeed.errors import UsageError
+from tfspeed.util import locks
 
 # Bump when the records a given source and options produce change: old outputs then no
 # longer count as "already converted".

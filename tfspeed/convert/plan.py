@@ -7,7 +7,7 @@ An output directory holds:
                                        files, how images are stored), then one line per
                                        finished shard (records, bytes, sha256, skipped items);
   ``.<shard>.tmp-<pid>``               a shard being written;
-  ``.tfspeed-lock``                    while a conversion runs: its lock (``tfspeed.locks``).
+  ``.tfspeed-lock``                    while a conversion runs: its lock (``tfspeed.util.locks``).
 
 Crash safety: a shard is written under its temporary name, fsynced, renamed into place, and
 only then recorded in the plan (append + fsync). After a kill at any moment a rerun keeps

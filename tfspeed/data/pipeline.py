@@ -279,7 +279,7 @@ def _through_service(config, schema, split, steps, batch_size, shuffle, determin
     ``cache`` is not applied: a worker sees only part of an epoch (a cache would hold that
     part) and each epoch is a new job. Images travel as uint8 (4× fewer bytes than float).
     """
-    from tfspeed.data import service
+    from tfspeed.data import service_client as service
 
     files, counts = _files(schema, config, split, num_pipelines, pipeline_id)
     if num_pipelines > 1 and len(files) == len(schema.split(split).shards):
@@ -324,7 +324,7 @@ def _through_service(config, schema, split, steps, batch_size, shuffle, determin
 def _count_epoch(groups, split, expected, config):
     """Passes an epoch's groups through, and at its end tells ``service.record_epoch`` how
     many records came (counted per group: the per-record cost stays off the hot path)."""
-    from tfspeed.data import service
+    from tfspeed.data import service_client as service
 
     def account(delivered):
         service.record_epoch(split, int(delivered), expected, config.data_service_sharding,

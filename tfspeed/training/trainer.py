@@ -1,4 +1,4 @@
-"""Trainer: the optimisation loop around ``tfspeed.engine.Engine``. Knows nothing of features.
+"""Trainer: the optimisation loop around ``tfspeed.training.engine.Engine``. Knows nothing of features.
 
 Stock ``model.fit`` fails under MirroredStrategy with gradient accumulation, ``jit_compile``
 or ``steps_per_execution > 1`` (see NOTES.md), so training runs on the engine; this module
@@ -24,13 +24,15 @@ import keras
 import tensorflow as tf
 from absl import logging
 
-from tfspeed import autotune, locks, profiling
-from tfspeed import callbacks as meters
-from tfspeed.checkpoints import Checkpoints, LossDiverged  # noqa: F401 -- re-exported
 from tfspeed.config import TrainConfig
-from tfspeed.engine import Engine, EngineOptions
+from tfspeed.diagnosis import profiling
 from tfspeed.errors import UsageError
 from tfspeed.runtime import Runtime
+from tfspeed.training import meters
+from tfspeed.training.checkpoints import Checkpoints, LossDiverged  # noqa: F401 -- re-exported
+from tfspeed.training.engine import Engine, EngineOptions
+from tfspeed.tuning import autotune
+from tfspeed.util import locks
 
 # Linear scaling rule (Goyal et al. 2017): the learning rate is given for this batch size.
 REFERENCE_BATCH = 256
@@ -133,7 +135,7 @@ def make_engine(model: keras.Model, objectives, config: TrainConfig, runtime: Ru
 
     Args:
       model: a Keras model built in ``runtime.strategy.scope()``.
-      objectives: the resolved loss and metrics (``tfspeed.objectives.resolve``): there is
+      objectives: the resolved loss and metrics (``tfspeed.training.objectives.resolve``): there is
         no default, so an engine never trains on a loss the job did not ask for.
       config: optimisation settings.
       runtime: strategy, precision, loss scaling and XLA choice.
@@ -147,7 +149,7 @@ def make_engine(model: keras.Model, objectives, config: TrainConfig, runtime: Ru
     """
     if objectives is None or not callable(getattr(objectives, "loss", None)):
         raise TypeError("make_engine needs the job's resolved objectives "
-                        "(tfspeed.objectives.resolve), not None")
+                        "(tfspeed.training.objectives.resolve), not None")
     with runtime.strategy.scope():
         optimizer = optimizer or make_optimizer(config, total_updates, global_batch_size)
         engine = Engine(
@@ -191,7 +193,7 @@ def fit(
       global_batch_size: examples in one micro-batch, over all replicas.
       model_dir: checkpoints and TensorBoard logs go below it.
       preprocess: ``x -> x`` on each batch's inputs inside the compiled step.
-      objectives: the resolved loss and metrics (``tfspeed.objectives.resolve``).
+      objectives: the resolved loss and metrics (``tfspeed.training.objectives.resolve``).
       callbacks: ``keras.callbacks.Callback``s: ``on_train_begin``/``end`` and
         ``on_epoch_end(epoch, logs)`` with the last logged training metrics.
       optimizer: a Keras optimizer made in the strategy's scope, instead of the one

@@ -21,8 +21,8 @@ from collections.abc import Callable, Sequence
 import keras
 import tensorflow as tf
 
-from tfspeed.engine import sparse_accuracy
 from tfspeed.errors import UsageError
+from tfspeed.training.engine import sparse_accuracy
 
 TASKS = ("classification", "regression")
 DEFAULT_LOSS = {"classification": "sparse_categorical_crossentropy", "regression": "mse"}

@@ -15,10 +15,10 @@ import os
 import tensorflow as tf
 from absl import logging
 
-from tfspeed.cli import storage_error
 from tfspeed.config import TrainConfig
-from tfspeed.engine import Engine
 from tfspeed.errors import UsageError
+from tfspeed.training.engine import Engine
+from tfspeed.util.cli import storage_error
 
 
 def _damaged(error: Exception) -> bool:

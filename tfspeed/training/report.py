@@ -8,8 +8,8 @@ import platform
 import keras
 import tensorflow as tf
 
-from tfspeed import hostmem
 from tfspeed.data.schema import write_json_atomic
+from tfspeed.runtime import hostmem
 
 
 def versions() -> dict[str, str]:
@@ -20,7 +20,7 @@ def versions() -> dict[str, str]:
         "keras": keras.__version__,
         "machine": platform.machine(),
         "cpus": str(os.cpu_count()),
-        # "malloc" makes decoding input pipelines 1.3-4.1x slower (tfspeed.hostmem).
+        # "malloc" makes decoding input pipelines 1.3-4.1x slower (tfspeed.runtime.hostmem).
         "host_allocator": hostmem.describe(),
     }
 

@@ -16,9 +16,9 @@ from collections.abc import Callable
 
 from absl import logging
 
-from tfspeed import hostmem
 from tfspeed.config import RuntimeConfig
 from tfspeed.errors import UsageError
+from tfspeed.runtime import hostmem
 
 # Compute capability from which GPUs have tensor cores for float16 (Volta), and for
 # bfloat16 at full speed (Ampere).
@@ -300,8 +300,8 @@ def setup(config: RuntimeConfig, hw: Hardware | None = None,
 
 
 def _with_threads(plan: Plan, config: RuntimeConfig, hw: Hardware, forward_flops) -> Plan:
-    """``plan`` with the intra-op threads chosen (``tfspeed.threads``) and set."""
-    from tfspeed import threads
+    """``plan`` with the intra-op threads chosen (``tfspeed.runtime.threads``) and set."""
+    from tfspeed.runtime import threads
 
     flops, environ = None, os.environ.get("TF_NUM_INTRAOP_THREADS")
     if config.intra_op_threads == threads.AUTO and forward_flops and not (hw.gpus or environ):

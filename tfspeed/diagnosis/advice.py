@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 
-from tfspeed.profiling import INPUT_BOUND_HIGH_PCT, INPUT_BOUND_MODERATE_PCT
+from tfspeed.diagnosis.profiling import INPUT_BOUND_HIGH_PCT, INPUT_BOUND_MODERATE_PCT
 
 INPUT_BOUND_RATIO = 0.9  # a pipeline slower than this share of (b) cannot feed the model
 MEMORY_BOUND_SHARE = 0.85  # peak memory above this share of the machine's is the limit

@@ -218,7 +218,7 @@ def _steps_per_execution(value: str) -> int:
 
 def _intra_op_threads(value: str) -> int:
     """'auto' -> ``threads.AUTO``; otherwise a non-negative integer (0: TF's default)."""
-    from tfspeed import threads
+    from tfspeed.runtime import threads
 
     return _count_or_auto("intra_op_threads", value, auto=threads.AUTO, minimum=0,
                           rest=" (0: one per core) or 'auto'")

@@ -157,7 +157,7 @@ def is_user_model(name: str) -> bool:
 
 def build_user_model(spec: str, input_shape, num_outputs: int) -> keras.Model:
     """Calls the user's ``function(input_shape, num_outputs)`` and checks what comes back."""
-    from tfspeed.objectives import load_callable
+    from tfspeed.training.objectives import load_callable
 
     model = load_callable(spec, "model")(input_shape, num_outputs)
     if not isinstance(model, keras.Model):

@@ -1,6 +1,6 @@
 """Frozen configuration, split by concern, validated once.
 
-``tfspeed.flags`` turns absl flags into a ``Config``; library code receives only the
+``tfspeed.config.flags`` turns absl flags into a ``Config``; library code receives only the
 slice it needs (``DataConfig`` for the pipeline, ``TrainConfig`` for the trainer, ...).
 Cross-field checks live in ``validate`` methods and raise ``UsageError`` naming the flags.
 """
@@ -67,7 +67,7 @@ class DataConfig:
         (``tfspeed.data.pipeline.corruption_report()``), ``fail`` stops with an error naming
         the shard. Both name the fix: ``python -m tfspeed.verify DATA_DIR --repair``.
       data_service: ``grpc://HOST:PORT`` of a tf.data service dispatcher: training input is
-        read, decoded and augmented on its workers (``tfspeed.data.service``); '' for local.
+        read, decoded and augmented on its workers (``tfspeed.data.service_client``); '' for local.
       data_service_sharding: ``dynamic`` (each record at most once per epoch, workers take
         files as they go), ``file`` (fixed share per worker; the dispatcher needs the worker
         list) or ``off`` (every worker produces the whole epoch).
@@ -113,7 +113,7 @@ class DataConfig:
         for name in self.augment:
             _choice("augment", name, AUGMENTATIONS)
         if self.data_service:
-            from tfspeed.data import service
+            from tfspeed.data import service_client as service
 
             service.parse_address(self.data_service)
             _choice("data_service_sharding", self.data_service_sharding, service.SHARDING_MODES)
@@ -125,7 +125,7 @@ class ModelConfig:
     """Which model to build.
 
     Attributes:
-      name: a key of ``tfspeed.models.MODELS``, or ``package.module:function`` for your
+      name: a key of ``tfspeed.training.models.MODELS``, or ``package.module:function`` for your
         own ``function(input_shape, num_outputs) -> keras.Model``.
       width: base width (units or filters); 0 takes the model's default.
       dropout: dropout rate before the classifier.
@@ -139,7 +139,7 @@ class ModelConfig:
     remat: bool = False
 
     def validate(self) -> ModelConfig:
-        from tfspeed.models import MODELS
+        from tfspeed.training.models import MODELS
 
         if ":" in self.name:  # the user's own: checked when it is imported and called
             module, _, function = self.name.partition(":")
@@ -170,7 +170,7 @@ class RuntimeConfig:
         ``mixed_bfloat16``.
       xla: ``auto``, ``on`` or ``off``: XLA-compile the per-replica forward+backward.
       intra_op_threads: threads one op may split its work over; 0: TF's default (one per
-        core); -1 (``tfspeed.threads.AUTO``): one for a tiny model's step, else the default.
+        core); -1 (``tfspeed.runtime.threads.AUTO``): one for a tiny model's step, else the default.
     """
 
     strategy: str = "default"
@@ -211,7 +211,7 @@ class TrainConfig:
       profile_steps: ``(start, end)`` micro-steps to capture with the TensorBoard profiler;
         empty for none.
       loss: a Keras loss name or ``package.module:function`` (one value per example); ''
-        for the task's default (``tfspeed.objectives``).
+        for the task's default (``tfspeed.training.objectives``).
       metrics: Keras metric names or ``package.module:function``s; () for the default.
     """
 

@@ -65,8 +65,9 @@ def fit(model, train, validation=None, *, epochs: int | None = None,
     """
     import tensorflow as tf
 
-    from tfspeed import checkpoints, locks, objectives, trainer
     from tfspeed.config import TrainConfig
+    from tfspeed.training import checkpoints, objectives, trainer
+    from tfspeed.util import locks
 
     if not isinstance(train, tf.data.Dataset):
         raise UsageError(f"train must be a tf.data.Dataset of (x, y) batches, got "

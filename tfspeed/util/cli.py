@@ -8,8 +8,8 @@ import socket
 import sys
 from collections.abc import Callable
 
-from tfspeed import hostmem
 from tfspeed.errors import exit_on_usage_error
+from tfspeed.runtime import hostmem
 
 
 def import_tensorflow_quietly() -> None:

@@ -1,0 +1,2 @@
+"""Finding the bottleneck: `python -m tfspeed.diagnose`'s measurement, the advice drawn from
+it, and the profiler window."""
