@@ -172,7 +172,7 @@ def run_job(args: list[str], model_dir: str) -> dict:
 
     shutil.rmtree(model_dir, ignore_errors=True)
     from tfspeed.config import flags as tfspeed_flags
-    from tfspeed.train import run
+    from tfspeed.training.run import run
 
     tfspeed_flags.parse(["tfspeed.train", *args, f"--model_dir={model_dir}"])
     report = run(tfspeed_flags.to_config())

@@ -96,12 +96,14 @@ def tune_workload(workdir: str, name: str) -> dict:
 
 def grid(workdir: str, name: str) -> dict:
     """Measures every grid cell, the user's flags and the tuned flags (in this process)."""
-    from tfspeed import tune
     from tfspeed.config import flags as tfspeed_flags
+    from tfspeed.tuning.measurements import Measurements
+    from tfspeed.tuning.predict import Candidate, candidates, predict
+    from tfspeed.tuning.verify import knob_values, plan_run, verify
 
     with open(os.path.join(workdir, "tune", name, "tune.json")) as f:
         tuned = json.load(f)
-    m = tuned["measurements"]
+    m = Measurements.from_json(tuned["measurements"])
 
     def config(flagfile):
         tfspeed_flags.parse(["grid", f"--flagfile={flagfile}",
@@ -109,20 +111,20 @@ def grid(workdir: str, name: str) -> dict:
         return tfspeed_flags.to_config()
 
     user = config(os.path.join(workdir, f"{name}.flags"))
-    cells = tune.candidates(m)
+    cells = candidates(m)
     out = {"cells": [], "user": None, "tuned": None}
-    slowest = min(tune.predict(c, m)["examples_per_sec"] for c in cells)
+    slowest = min(predict(c, m)["examples_per_sec"] for c in cells)
 
     def plan(config, c, rate_if_unknown=slowest):
         if c is None:  # the flags as they are: run as long as the finalists' cells
-            return tune.plan_run(config, None, m, rate_if_unknown, slowest)
-        cold = tune.predict(tune.Candidate(**{**tune.knob_values(c), "input_placement": "host",
-                                              "cache": "none"}), m)["examples_per_sec"]
-        rate = tune.predict(c, m)["examples_per_sec"]
-        return tune.plan_run(config, c, m, rate, min(cold, rate))
+            return plan_run(config, None, m, rate_if_unknown, slowest)
+        cold = predict(Candidate(**{**knob_values(c), "input_placement": "host",
+                                    "cache": "none"}), m)["examples_per_sec"]
+        rate = predict(c, m)["examples_per_sec"]
+        return plan_run(config, c, m, rate, min(cold, rate))
 
     for i, c in enumerate(cells):
-        measured = tune.verify(user, c, os.path.join(workdir, "grid", name, str(i)),
+        measured = verify(user, c, os.path.join(workdir, "grid", name, str(i)),
                                plan(user, c))
         out["cells"].append({"label": c.label(), "flags": c.flags(), **measured})
     # The best of many single noisy runs is inflated (the winner's curse): the grid's top 2,
@@ -134,7 +136,7 @@ def grid(workdir: str, name: str) -> dict:
               "tuned": (tuned_config, None)}
     # One length for the user's and the tuned flags, that of the grid's best cell: a run
     # planned for the slowest prediction would be shorter, and count its log points more.
-    final_rate = tune.predict(cells[top[0]], m)["examples_per_sec"]
+    final_rate = predict(cells[top[0]], m)["examples_per_sec"]
     rounds = {key: [] for key in finals}
     order = list(finals)
     for r in range(ROUNDS):
@@ -142,7 +144,7 @@ def grid(workdir: str, name: str) -> dict:
         # later ones slower, and no finalist should always come last.
         for key in order[r % len(order):] + order[:r % len(order)]:
             cfg, c = finals[key]
-            rounds[key].append(tune.verify(cfg, c, os.path.join(workdir, "grid", name,
+            rounds[key].append(verify(cfg, c, os.path.join(workdir, "grid", name,
                                                                 f"{key}-{r}"),
                                            plan(cfg, c, final_rate)))
     for key, runs in rounds.items():

@@ -11,8 +11,8 @@ import tensorflow as tf
 import tfspeed.data
 from tfspeed.config import Config, DataConfig, ModelConfig, RuntimeConfig, TrainConfig
 from tfspeed.errors import UsageError
-from tfspeed.train import run
 from tfspeed.training import models, trainer
+from tfspeed.training.run import run
 
 
 def _config(data_dir, model_dir, *, batch=32, accum=1, steps=6, strategy="default",
@@ -21,7 +21,7 @@ def _config(data_dir, model_dir, *, batch=32, accum=1, steps=6, strategy="defaul
         data=DataConfig(data_dir=data_dir, batch_size=batch, shuffle=False, cache="memory"),
         model=ModelConfig(name="mlp", width=32),
         runtime=RuntimeConfig(strategy=strategy, cpu_replicas=replicas, precision=precision,
-                              xla=xla),
+                              xla=xla, intra_op_threads=0),
         train=TrainConfig(train_steps=steps, grad_accum_steps=accum, steps_per_execution=spe,
                           learning_rate=0.01, log_every=4, **train),
         model_dir=str(model_dir),
@@ -121,7 +121,7 @@ def test_report_records_each_choice_with_its_reason(big_batch_report):
 
 def test_auto_settings_resolve_and_train(digits_dir, tmp_path):
     config = _config(digits_dir, tmp_path, steps=40, strategy="auto", precision="auto",
-                     xla="auto", spe=0)
+                     xla="auto", spe="auto")
     report = run(config)
     assert report["optimizer_updates"] == 40
     assert report["steps_per_execution"]["auto"] is True

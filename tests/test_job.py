@@ -21,8 +21,8 @@ from tfspeed import diagnose
 from tfspeed.config import TrainConfig
 from tfspeed.config import flags as tfspeed_flags
 from tfspeed.errors import UsageError
-from tfspeed.train import run
 from tfspeed.training import trainer
+from tfspeed.training.run import run
 
 ENV = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
 

@@ -5,9 +5,9 @@ import time
 import pytest
 
 from tfspeed.config import Config, DataConfig, ModelConfig, RuntimeConfig, TrainConfig
-from tfspeed.train import run
 from tfspeed.training import report as report_lib
 from tfspeed.training.meters import ThroughputMeter
+from tfspeed.training.run import run
 
 
 def _run(data_dir, model_dir, **train):
@@ -51,7 +51,7 @@ def test_a_window_of_warm_up_only_logs_no_speed():
     assert meter.summary()["too_few_steps"]
 
 
-@pytest.mark.parametrize("steps_per_execution", [16, 0])  # 0: auto, too short to probe: 16
+@pytest.mark.parametrize("steps_per_execution", [16, "auto"])  # auto: too short to probe: 16
 def test_a_short_run_times_only_the_calls_after_the_trace(digits_dir, tmp_path,
                                                           steps_per_execution):
     """One log window for the whole run: before, it held the call that traced, and a
@@ -72,7 +72,7 @@ def test_a_run_too_short_for_a_median_says_so(digits_dir, tmp_path, capsys):
 
 
 def test_the_tuners_probes_and_the_profile_window_are_not_timed(digits_dir, tmp_path):
-    report = _run(digits_dir, tmp_path, train_steps=400, steps_per_execution=0,
+    report = _run(digits_dir, tmp_path, train_steps=400, steps_per_execution="auto",
                   profile_steps=(380, 381))
     probe = report["steps_per_execution"]["probe_steps"]  # the probe traced the function
     assert probe > 0

@@ -18,7 +18,7 @@ from tfspeed import runtime
 from tfspeed.config import RuntimeConfig
 from tfspeed.config import flags as tfspeed_flags
 from tfspeed.errors import UsageError
-from tfspeed.train import run
+from tfspeed.training.run import run
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}

@@ -16,7 +16,7 @@ import tfspeed
 from tests.conftest import REPO
 from tfspeed.config import flags as tfspeed_flags
 from tfspeed.errors import UsageError
-from tfspeed.train import run
+from tfspeed.training.run import run
 
 USER_MODELS = '''
 import keras
@@ -216,8 +216,8 @@ def test_python_api_regression_with_a_built_model_and_function_metric(tmp_path):
     metrics = report["eval_metrics"]
     assert metrics["doubled_abs"] == pytest.approx(2 * metrics["mae"], rel=1e-5)
     assert metrics["loss"] < 0.5 * float(np.var(y))  # it learned the linear target
-    with pytest.raises(UsageError, match="give tfspeed.fit either epochs= or steps="):
-        tfspeed.fit(model, train)
+    with pytest.raises(UsageError, match="give tfspeed.fit epochs= or steps=, not both"):
+        tfspeed.fit(model, train, epochs=1, steps=3)
     with pytest.raises(UsageError, match="strategy='mirrored' needs the model built in its"):
         tfspeed.fit(model, train, steps=1, strategy="mirrored")
 

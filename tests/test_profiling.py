@@ -8,7 +8,7 @@ import tensorflow as tf
 
 from tfspeed.config import Config, DataConfig, ModelConfig, RuntimeConfig, TrainConfig
 from tfspeed.diagnosis import profiling
-from tfspeed.train import run
+from tfspeed.training.run import run
 
 
 def _config(data_dir, model_dir, placement="host", **train):

@@ -9,7 +9,7 @@ import pytest
 import tensorflow as tf
 
 from tfspeed.config import Config, DataConfig, ModelConfig, RuntimeConfig, TrainConfig
-from tfspeed.train import run
+from tfspeed.training.run import run
 
 TRAIN_RECORDS = 1617  # the digits fixture's train split
 
@@ -35,9 +35,9 @@ def _checkpoints(model_dir) -> list[str]:
 @pytest.mark.parametrize(
     "settings, updates",
     [
-        (dict(steps=40, spe=0), 40),  # steps_per_execution=auto: its tuner ran one step more
+        (dict(steps=40, spe="auto"), 40),  # steps_per_execution=auto: its tuner ran one step more
         (dict(steps=7, spe=3, accum=2, every=2), 7),  # executions end mid-accumulation
-        (dict(epochs=2, spe=0, accum=2, batch=128), 2 * (TRAIN_RECORDS // 128 // 2)),
+        (dict(epochs=2, spe="auto", accum=2, batch=128), 2 * (TRAIN_RECORDS // 128 // 2)),
     ],
     ids=["auto", "spe3-accum2", "epochs-accum2"],
 )
@@ -77,8 +77,8 @@ def test_cut_after_the_last_checkpoint_and_a_larger_total_both_finish_exactly(di
     assert resumed["weights_sha256"] == straight["weights_sha256"]
 
     # A finished 6-update run, rerun with --train_steps=10 (a constant rate: the same steps).
-    run(_config(digits_dir, tmp_path / "longer", steps=6, spe=0))
-    longer = run(_config(digits_dir, tmp_path / "longer", steps=10, spe=0))
+    run(_config(digits_dir, tmp_path / "longer", steps=6, spe="auto"))
+    longer = run(_config(digits_dir, tmp_path / "longer", steps=10, spe="auto"))
     assert longer["resumed_from_update"] == 6
     assert longer["optimizer_updates"] == longer["micro_steps"] == 10
     assert longer["weights_sha256"] == straight["weights_sha256"]

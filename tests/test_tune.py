@@ -1,6 +1,7 @@
 """python -m tfspeed.tune: the prediction model, the candidate space, and one real tune."""
 
 import contextlib
+import dataclasses
 import io
 import json
 import os
@@ -10,43 +11,60 @@ import sys
 import pytest
 
 from tests.conftest import REPO
-from tfspeed import tune
+from tfspeed.tuning import measurements as ms
+from tfspeed.tuning import output, predict, verify
+from tfspeed.tuning.tune import run as run_tune
 
-C = tune.Candidate
+C = predict.Candidate
 
 
 def _measurements(**over):
-    m = {"batch_size": 100, "cores": 2, "steps_per_epoch": 50, "device_ok": True,
-         "device_step_ratio": 1.0, "caches": ["none", "memory"], "parses": ["batched"],
-         "input": {"cold/batched": {"cpu_s": 40e-6}, "memory": {"cpu_s": 4e-6}},
-         "step": {"float32/off": {"overhead_s": 1e-3, "step_s": 2e-3, "cpu_per_step_s": 2e-3}}}
-    m.update(over)
-    return m
+    m = ms.Measurements(
+        batch_size=100, cores=2, steps_per_epoch=50, size_mb=1.0, ram_budget_mb=1000.0,
+        ram_budget_source="test", device_ok=True, image_storage="",
+        input={ms.InputKey("none", "batched"): ms.InputTiming(cpu_s=40e-6, wall_s=40e-6),
+               ms.InputKey("memory"): ms.InputTiming(cpu_s=4e-6, wall_s=4e-6)},
+        step={ms.StepKey("float32", "off"): ms.StepTiming(
+            overhead_s=1e-3, step_s=2e-3, cpu_per_step_s=2e-3, steps_timed=25)},
+        stages=ms.InputStages(read=10e-6, decode=30e-6, after_cache=4e-6),
+        parses=("batched",), caches=("none", "memory"), objectives={}, device_step_ratio=1.0)
+    return dataclasses.replace(m, **over)
+
+
+def test_measurements_keep_their_json_layout():
+    m = _measurements()
+    layout = m.to_json()
+    assert layout["input"]["cold/batched"]["cpu_s"] == 40e-6
+    assert set(layout["input"]) == {"cold/batched", "memory"}
+    assert layout["step"]["float32/off"]["overhead_s"] == 1e-3
+    assert layout["stages"] == {"read": 10e-6, "decode": 30e-6, "after_cache": 4e-6}
+    assert "device_step" not in layout
+    assert ms.Measurements.from_json(json.loads(json.dumps(layout))) == m
 
 
 def test_a_step_bound_job_is_predicted_at_the_step_with_its_call_overhead():
     m = _measurements()
-    p = tune.predict(C("device", "none", "batched", 0, "float32", "off", 4), m)
+    p = predict.predict(C("device", "none", "batched", 0, "float32", "off", 4), m)
     # w = 2 ms + 1 ms / 4; nothing else runs: 100 / 2.25 ms.
     assert p["bound"] == "step" and p["examples_per_sec"] == pytest.approx(100 / 2.25e-3)
 
 
 def test_input_and_step_share_the_cores_on_a_cpu_host():
     m = _measurements()
-    cold = tune.predict(C("host", "none", "batched", 0, "float32", "off", 1), m)
+    cold = predict.predict(C("host", "none", "batched", 0, "float32", "off", 1), m)
     # i = 100 x 40 µs = 4 ms CPU; u = 2 ms; (u + i) / 2 cores = 3 ms > w = 3 ms (2 + 1): tie
     # broken to the larger term; with threads=1 the input alone takes 4 ms per batch.
     assert cold["examples_per_sec"] == pytest.approx(100 / 3e-3)
-    capped = tune.predict(C("host", "none", "batched", 1, "float32", "off", 1), m)
+    capped = predict.predict(C("host", "none", "batched", 1, "float32", "off", 1), m)
     assert capped["bound"] == "input" and capped["examples_per_sec"] == pytest.approx(100 / 4e-3)
-    warm = tune.predict(C("host", "memory", "batched", 0, "float32", "off", 8), m)
+    warm = predict.predict(C("host", "memory", "batched", 0, "float32", "off", 8), m)
     # i = 0.4 ms: the step (2.125 ms) bounds it, not (2 + 0.4) / 2.
     assert warm["bound"] == "step" and warm["examples_per_sec"] == pytest.approx(100 / 2.125e-3)
 
 
 def test_candidates_cover_the_feasible_knobs_only():
-    m = _measurements(device_ok=False, parses=["batched", "single"])
-    found = tune.candidates(m)
+    m = _measurements(device_ok=False, parses=("batched", "single"))
+    found = predict.candidates(m)
     assert {c.input_placement for c in found} == {"host"}
     # parse varies only where records are parsed every epoch; spe: 1 and the cost model's N.
     assert {(c.cache, c.parse) for c in found} == {("none", "batched"), ("none", "single"),
@@ -59,7 +77,7 @@ def test_candidates_cover_the_feasible_knobs_only():
 
 def test_verification_covers_each_input_setup_before_variants_of_one():
     m = _measurements()
-    picked = [r["candidate"] for r in tune._to_verify(tune.rank(m), 3)]
+    picked = [r["candidate"] for r in verify.to_verify(predict.rank(m), 3)]
     assert {(c.input_placement, c.cache) for c in picked} == {("device", "none"),
                                                               ("host", "memory"),
                                                               ("host", "none")}
@@ -67,17 +85,17 @@ def test_verification_covers_each_input_setup_before_variants_of_one():
 
 def test_where_predictions_tie_fewer_input_threads_rank_first():
     m = _measurements()
-    warm = [r for r in tune.rank(m) if r["candidate"].cache == "memory"
+    warm = [r for r in predict.rank(m) if r["candidate"].cache == "memory"
             and r["candidate"].steps_per_execution == 32]
     # The step bounds both thread counts (i = 0.4 ms per batch): a tie, one thread first.
     assert warm[0]["examples_per_sec"] == warm[1]["examples_per_sec"]
     assert [r["candidate"].input_threads for r in warm] == [1, 0]
     # Decoding every epoch, the input bounds one thread: all cores rank first.
-    cold = [r["candidate"].input_threads for r in tune.rank(m)
+    cold = [r["candidate"].input_threads for r in predict.rank(m)
             if r["candidate"].cache == "none" and r["candidate"].input_placement == "host"
             and r["candidate"].steps_per_execution == 32]
     assert cold == [0, 1]
-    picked = [r["candidate"] for r in tune._to_verify(tune.rank(m), 3)]
+    picked = [r["candidate"] for r in verify.to_verify(predict.rank(m), 3)]
     assert C("host", "memory", "batched", 1, "float32", "off", 32) in picked
 
 
@@ -86,19 +104,19 @@ def test_a_verification_run_fills_a_cache_first_and_times_about_three_seconds():
 
     m = _measurements()
     config = Config(data=DataConfig(data_dir="d", batch_size=100), train=TrainConfig())
-    cached = tune.plan_run(config, C("host", "memory", "batched", 0, "float32", "off", 8), m,
+    cached = verify.plan_run(config, C("host", "memory", "batched", 0, "float32", "off", 8), m,
                            rate=20_000, cold_rate=5_000)
     # 3 s at 20k examples/s = 600 steps after the 50-step epoch that fills the cache, whose
     # 5,000 examples run at the cold rate: 4 s setup + 1 s + 3 s.
     assert cached.micro_steps == 50 + 600 and cached.log_every == 72
     assert cached.seconds == pytest.approx(4 + 1 + 3)
-    in_step = tune.plan_run(config, C("device", "none", "batched", 0, "float32", "off", 8), m,
+    in_step = verify.plan_run(config, C("device", "none", "batched", 0, "float32", "off", 8), m,
                             rate=20_000, cold_rate=20_000)
     assert in_step.micro_steps == 2 * 72 + 600  # two windows to settle, no epoch to fill
 
 
 def test_the_budget_scales_estimates_by_how_late_runs_were_and_keeps_a_reserve():
-    budget = tune.Budget(60, reserve=2)
+    budget = verify.Budget(60, reserve=2)
     assert budget.allows(50, "a run")
     budget.observe(expected=5, took=10)  # the first run took twice its estimate
     budget.observe(expected=10, took=5)  # an early one does not lower the factor
@@ -132,7 +150,8 @@ def tuned(regression_dir, user_objectives, tmp_path_factory):
     with flagsaver.flagsaver(), contextlib.redirect_stdout(stdout):
         tfspeed_flags.parse(["tfspeed.tune", *args])
         config = tfspeed_flags.to_config()
-        tune.run(config, args, budget_s=TUNE_BUDGET_S, tune_dir=str(root / "run" / "tune"), verify_n=1)
+        run_tune(config, args, budget_s=TUNE_BUDGET_S, tune_dir=str(root / "run" / "tune"),
+                 verify_n=1)
     return root, stdout.getvalue()
 
 
@@ -208,7 +227,7 @@ def test_tuned_flags_train_the_same_job_from_any_directory(tmp_path, monkeypatch
         tfspeed_flags.parse(["tfspeed.tune", *args])
         config = tfspeed_flags.to_config()
     user = {"measured": {"examples_per_sec": 100.0, "resolved": {}}}
-    tune.write_flags(str(tmp_path / "tuned.flags"), args, config, None, user, {})
+    output.write_flags(str(tmp_path / "tuned.flags"), args, config, None, user, None)
     monkeypatch.chdir(tmp_path / "elsewhere")
     with flagsaver.flagsaver():
         tfspeed_flags.parse(["tfspeed.train", f"--flagfile={tmp_path / 'tuned.flags'}"])

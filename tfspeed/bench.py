@@ -12,13 +12,10 @@ from __future__ import annotations
 
 import os
 import platform
-import resource
 import time
 
-
-def peak_rss_mb() -> float:
-    """This process's peak resident memory so far, in MiB (Linux reports KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+from tfspeed.util import system
+from tfspeed.util.system import peak_rss_mb  # noqa: F401 -- benchmarks use it from here
 
 
 def time_dataset(ds, batches: int, warmup: int, batch_size: int) -> dict:
@@ -47,18 +44,10 @@ def machine() -> dict:
     return {"cpus": os.cpu_count(), "machine": platform.machine(), "node": platform.node()}
 
 
-def versions() -> dict:
-    import keras
-    import tensorflow as tf
-
-    return {"python": platform.python_version(), "tensorflow": tf.__version__,
-            "keras": keras.__version__}
-
-
 def record(name: str, config: dict, figures: dict, ratios: dict) -> dict:
     """The one JSON record every benchmark prints."""
     return {"name": name, "config": config, "figures": figures, "ratios": ratios,
-            "versions": versions(), "machine": machine()}
+            "versions": system.versions(), "machine": machine()}
 
 
 # Photographs bundled with scikit-learn and scikit-image (no download): varied real scenes,

@@ -20,7 +20,8 @@ import json
 import os
 import sys
 
-from tfspeed.util.cli import import_tensorflow_quietly, main_entry
+from tfspeed.util.cli import main_entry
+from tfspeed.util.system import import_tensorflow_quietly
 
 if __name__ == "__main__":
     import_tensorflow_quietly()  # tfspeed.data imports TF: keep its start-up banner off stderr

@@ -13,7 +13,7 @@ from conftest import REPO
 
 from tfspeed.config import flags as tfspeed_flags
 from tfspeed.errors import UsageError
-from tfspeed.train import run
+from tfspeed.training.run import run
 
 
 def _cli(*args, timeout=300):

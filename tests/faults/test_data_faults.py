@@ -20,7 +20,7 @@ from tfspeed import verify
 from tfspeed.config import Config, DataConfig, ModelConfig, RuntimeConfig, TrainConfig
 from tfspeed.data import integrity, pipeline
 from tfspeed.data import schema as schema_lib
-from tfspeed.train import run
+from tfspeed.training.run import run
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SHARD = "train-00001-of-00004.tfrecord"

@@ -25,7 +25,7 @@ from tfspeed import diagnose
 from tfspeed.config import Config, DataConfig, ModelConfig, RuntimeConfig, TrainConfig
 from tfspeed.config import flags as tfspeed_flags
 from tfspeed.errors import UsageError
-from tfspeed.train import run
+from tfspeed.training.run import run
 from tfspeed.training.trainer import LossDiverged
 
 NOT_CHECKPOINTED = "the input position is not checkpointed"

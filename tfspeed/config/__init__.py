@@ -1,103 +1,108 @@
-"""Frozen configuration, split by concern, validated once.
+"""The experiment's configuration: frozen dataclasses, split by concern, validated once.
 
-``tfspeed.config.flags`` turns absl flags into a ``Config``; library code receives only the
-slice it needs (``DataConfig`` for the pipeline, ``TrainConfig`` for the trainer, ...).
-Cross-field checks live in ``validate`` methods and raise ``UsageError`` naming the flags.
+These dataclasses hold the only defaults and help texts of tfspeed. The command-line flags
+are defined from them (``tfspeed.config.flags``), and ``tfspeed.fit`` builds the same
+``TrainConfig`` and ``RuntimeConfig``: a ``Config()`` in Python, the command line without
+flags and ``tfspeed.fit`` without keywords run the same job.
+
+``auto`` is a value of its own (``AUTO``), never 0 or -1: a setting that tfspeed resolves
+by measuring or from the hardware holds the string ``"auto"`` until it is resolved, and the
+resolved value is written to ``report.json`` beside it.
+
+Library code receives only the slice it needs (``DataConfig`` for the pipeline,
+``TrainConfig`` for the loop, ...). Cross-field checks live in ``validate`` methods and
+raise a one-line ``UsageError`` naming the flags. Importing this package imports no
+TensorFlow.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+from typing import Literal
 
 from tfspeed.errors import UsageError
+
+AUTO = "auto"
+Auto = Literal["auto"]
 
 CACHE_MODES = ("auto", "none", "memory", "disk")
 INPUT_PLACEMENTS = ("auto", "host", "device")
 IMAGE_DTYPES = ("float32", "uint8")
 PARSE_MODES = ("auto", "batched", "single")
 ON_CORRUPT_MODES = ("skip", "fail")
+DATA_SERVICE_SHARDING = ("off", "dynamic", "file")
+# The augmentations' names; tfspeed.data.ops holds their code (and checks it has each).
+AUGMENTATIONS = ("flip", "crop", "random_resized_crop")
+# The built-in models' names; tfspeed.training.models holds their builders.
+MODELS = ("mlp", "cnn", "resnet50", "mobilenetv2")
 STRATEGIES = ("auto", "default", "one_device", "mirrored", "multi_worker")
 PRECISIONS = ("auto", "measure", "float32", "mixed_float16", "mixed_bfloat16")
+XLA_MODES = ("auto", "on", "off")
+OPTIMIZERS = ("adam", "adamw", "sgd")
+LR_SCHEDULES = ("constant", "cosine")
+
+
+def option(default, help: str, *, choices: tuple = (), flag: str = ""):  # noqa: A002
+    """A config field: its default, its help text, its allowed values and its flag name
+    (the field's own name unless given)."""
+    return dataclasses.field(default=default,
+                             metadata={"help": help, "choices": choices, "flag": flag})
 
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-    """How to read a converted dataset.
+    """How to read a converted dataset (``tfspeed.data``)."""
 
-    Attributes:
-      data_dir: directory holding ``schema.json`` and the TFRecord shards.
-      batch_size: the global batch (summed over replicas) of one step.
-      image_size: resize images to this square side; 0 keeps the stored size (then all
-        images must already have the same size).
-      cache: ``auto``, ``none``, ``memory`` (decoded records held in RAM) or ``disk`` (a cache
-        file in ``cache_dir`` whose name hashes the source and settings, so a stale one is
-        never reused). ``auto`` estimates the cached split from ``schema.json`` and keeps it in
-        memory if it fits ``ram_budget_mb``, else on disk (none for a single pass); an
-        explicit ``memory`` that cannot fit is refused (``tfspeed.data.plan``).
-      cache_dir: where ``disk`` caches go; default ``<data_dir>/cache``.
-      shuffle: shuffle training data (files and records); off gives a fixed order.
-      shuffle_buffer: records in the shuffle buffer (capped at the split size).
-      augment: random augmentations for training, names from ``tfspeed.data.ops.AUGMENTATIONS``.
-      deterministic: fixed element order even with parallel maps (slower); also implied
-        by ``shuffle=False``.
-      seed: seed for file/record shuffling and augmentation.
-      parse: ``batched`` parses records in groups with one ``parse_example`` (vectorised),
-        ``single`` one record at a time; ``auto`` is batched (measured faster in
-        ``benchmarks/input_pipeline.py``). A bad payload costs that record alone either way.
-      ram_budget_mb: the RAM input data may take: the memory cache (and the in-graph input)
-        must fit it, and it caps tf.data's autotuned buffers; 0 = half of the memory
-        available at start.
-      image_dtype: ``float32`` batches in [0, 1], or ``uint8`` as stored (4× fewer bytes to
-        move; the model or the training step then scales them).
-      input_placement: where the training step gets its batches: ``host`` (a tf.data
-        pipeline), ``device`` (the decoded split held as tensors on the training device,
-        batches gathered inside the compiled step: no tf.data round trip), or ``auto``
-        (device when the decoded split fits ``ram_budget_mb`` and no tf.data service or
-        random_resized_crop needs the pipeline; ``tfspeed.data.ingraph``).
-      input_threads: threads tf.data's parallel stages may use (a private thread pool);
-        0: TensorFlow's default (one per core). Fewer leave cores to the training step on a
-        CPU host; ``tfspeed.tune`` measures whether that pays.
-      train_split / eval_split: split names.
-      prepare_source: if ``data_dir`` holds no finished conversion, convert this converter
-        ``--source`` into it first (the demo job uses ``digits``).
-      on_corrupt: what reading a damaged shard does. TF cannot skip one bad record inside a
-        file, so the rest of that shard is lost for the epoch either way; ``skip`` warns once
-        per shard per epoch with the records lost and counts them
-        (``tfspeed.data.pipeline.corruption_report()``), ``fail`` stops with an error naming
-        the shard. Both name the fix: ``python -m tfspeed.verify DATA_DIR --repair``.
-      data_service: ``grpc://HOST:PORT`` of a tf.data service dispatcher: training input is
-        read, decoded and augmented on its workers (``tfspeed.data.service_client``); '' for local.
-      data_service_sharding: ``dynamic`` (each record at most once per epoch, workers take
-        files as they go), ``file`` (fixed share per worker; the dispatcher needs the worker
-        list) or ``off`` (every worker produces the whole epoch).
-    """
-
-    data_dir: str
-    batch_size: int = 128
-    image_size: int = 0
-    cache: str = "auto"
-    cache_dir: str = ""
-    shuffle: bool = True
-    shuffle_buffer: int = 10_000
-    augment: tuple[str, ...] = ()
-    deterministic: bool = False
-    seed: int = 0
-    parse: str = "auto"
-    ram_budget_mb: int = 0
-    image_dtype: str = "float32"
-    input_placement: str = "auto"
-    input_threads: int = 0
-    train_split: str = "train"
-    eval_split: str = "validation"
-    prepare_source: str = ""
-    on_corrupt: str = "skip"
-    data_service: str = ""
-    data_service_sharding: str = "dynamic"
+    data_dir: str = option(
+        "", "Converted dataset: a directory made by scripts/to_tfrecord.py (holds schema.json).")
+    batch_size: int = option(128, "The global batch of one step (summed over replicas; the "
+                                  "micro-batch when accumulating).")
+    image_size: int = option(0, "Resize images to this square side; 0 keeps the stored size "
+                                "(then all images must have one size).")
+    cache: str = option(
+        "auto", "Cache decoded records: memory (in RAM), disk (a file under --cache_dir whose "
+                "name hashes the data and settings), none; auto: in RAM if the split fits "
+                "--ram_budget_mb, else on disk (none when read once).", choices=CACHE_MODES)
+    cache_dir: str = option("", "Directory for --cache=disk (default DATA_DIR/cache).")
+    shuffle: bool = option(True, "Shuffle training files and records (off: a fixed order).")
+    shuffle_buffer: int = option(10_000, "Records in the shuffle buffer (capped at the split).")
+    augment: tuple[str, ...] = option(
+        (), "Training augmentations: flip, crop, random_resized_crop (decodes only the crop of "
+            "a JPEG; needs --image_size).", choices=AUGMENTATIONS)
+    deterministic: bool = option(
+        False, "Fixed element order even with parallel maps (slower input); also implied by "
+               "--noshuffle.")
+    seed: int = option(0, "Seed for shuffling, augmentation and initialisation.")
+    parse: str = option("auto", "Parse records in groups with one vectorised parse_example "
+                                "(batched) or one by one (single); auto: batched.",
+                        choices=PARSE_MODES)
+    ram_budget_mb: int = option(
+        0, "RAM the input may take (memory cache, in-step input, tf.data buffers); 0: half of "
+           "the memory available at start.")
+    image_dtype: str = option("float32", "Batches as float32 in [0, 1], or uint8 as stored (the "
+                                         "step scales them).", choices=IMAGE_DTYPES)
+    input_placement: str = option(
+        "auto", "Where the step gets its batches: host (tf.data), device (the decoded split held "
+                "in the step, batches gathered inside it); auto: device if it fits "
+                "--ram_budget_mb and nothing needs tf.data.", choices=INPUT_PLACEMENTS)
+    input_threads: int = option(0, "Threads for tf.data's parallel stages; 0: one per core.")
+    train_split: str = option("train", "Split to train on.")
+    eval_split: str = option("validation", "Split to evaluate on ('' for none).")
+    prepare_source: str = option(
+        "", "If --data_dir holds no finished conversion, convert this scripts/to_tfrecord.py "
+            "--source into it first (e.g. 'digits').")
+    on_corrupt: str = option("skip", "A damaged shard: skip (report the records lost and go "
+                                     "on) or fail (stop).", choices=ON_CORRUPT_MODES)
+    data_service: str = option(
+        "", "grpc://HOST:PORT of a tf.data service dispatcher (python -m tfspeed.data_service): "
+            "read, decode and augment on its workers; '' reads locally.")
+    data_service_sharding: str = option(
+        "dynamic", "How service workers split an epoch: dynamic (each record at most once), "
+                   "file (a fixed share; the dispatcher needs --worker_addresses) or off (each "
+                   "worker the whole epoch).", choices=DATA_SERVICE_SHARDING)
 
     def validate(self) -> DataConfig:
-        from tfspeed.data.ops import AUGMENTATIONS  # ops import TF; keep config import light
-
         if not self.data_dir:
             raise UsageError("--data_dir is required: a directory made by scripts/to_tfrecord.py")
         _positive("batch_size", self.batch_size)
@@ -105,42 +110,26 @@ class DataConfig:
         _non_negative("ram_budget_mb", self.ram_budget_mb)
         _non_negative("input_threads", self.input_threads)
         _positive("shuffle_buffer", self.shuffle_buffer)
-        _choice("cache", self.cache, CACHE_MODES)
-        _choice("parse", self.parse, PARSE_MODES)
-        _choice("image_dtype", self.image_dtype, IMAGE_DTYPES)
-        _choice("input_placement", self.input_placement, INPUT_PLACEMENTS)
-        _choice("on_corrupt", self.on_corrupt, ON_CORRUPT_MODES)
-        for name in self.augment:
-            _choice("augment", name, AUGMENTATIONS)
+        _check_choices(self)
         if self.data_service:
-            from tfspeed.data import service_client as service
-
-            service.parse_address(self.data_service)
-            _choice("data_service_sharding", self.data_service_sharding, service.SHARDING_MODES)
+            _check_address(self.data_service)
         return self
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Which model to build.
+    """Which model to build (``tfspeed.training.models``)."""
 
-    Attributes:
-      name: a key of ``tfspeed.training.models.MODELS``, or ``package.module:function`` for your
-        own ``function(input_shape, num_outputs) -> keras.Model``.
-      width: base width (units or filters); 0 takes the model's default.
-      dropout: dropout rate before the classifier.
-      remat: recompute activations in the backward pass instead of keeping them
-        (less memory, more compute).
-    """
-
-    name: str = "cnn"
-    width: int = 0
-    dropout: float = 0.0
-    remat: bool = False
+    name: str = option(
+        "cnn", "mlp, cnn, resnet50, mobilenetv2, or your own as package.module:function "
+               "(function(input_shape, num_outputs) -> keras.Model, importable from the working "
+               "directory or PYTHONPATH).", flag="model")
+    width: int = option(0, "Model base width (units or filters); 0 takes the model's default.")
+    dropout: float = option(0.0, "Dropout rate before the classifier.")
+    remat: bool = option(False, "Recompute activations in the backward pass: less memory, "
+                                "more compute.")
 
     def validate(self) -> ModelConfig:
-        from tfspeed.training.models import MODELS
-
         if ":" in self.name:  # the user's own: checked when it is imported and called
             module, _, function = self.name.partition(":")
             if not module or not function:
@@ -156,92 +145,72 @@ class ModelConfig:
 
 @dataclasses.dataclass(frozen=True)
 class RuntimeConfig:
-    """Where and how the step runs: strategy, precision and XLA.
+    """Where and how the step runs (``tfspeed.runtime``)."""
 
-    Attributes:
-      strategy: ``auto``, ``default``, ``one_device``, ``mirrored`` or ``multi_worker``
-        (MultiWorkerMirroredStrategy over the cluster in ``TF_CONFIG``; start local dry runs
-        with ``python -m tfspeed.launch``).
-      cpu_replicas: split the CPU into this many logical devices (0: do not split), so
-        MirroredStrategy can run on a CPU-only machine.
-      precision: ``auto`` (from the hardware; where bfloat16 is native on a CPU, measured on
-        the model), ``measure`` (always time float32 against the hardware's mixed policy on
-        the model, bfloat16 where it has none), ``float32``, ``mixed_float16`` or
-        ``mixed_bfloat16``.
-      xla: ``auto``, ``on`` or ``off``: XLA-compile the per-replica forward+backward.
-      intra_op_threads: threads one op may split its work over; 0: TF's default (one per
-        core); -1 (``tfspeed.runtime.threads.AUTO``): one for a tiny model's step, else the default.
-    """
-
-    strategy: str = "default"
-    cpu_replicas: int = 0
-    precision: str = "float32"
-    xla: str = "off"
-    intra_op_threads: int = 0
+    strategy: str = option(
+        "auto", "tf.distribute strategy; auto: multi_worker under a TF_CONFIG cluster, mirrored "
+                "over more than one GPU, else default.", choices=STRATEGIES)
+    cpu_replicas: int = option(0, "Split the CPU into N logical devices (MirroredStrategy on a "
+                                  "CPU machine); 0: do not split.")
+    precision: str = option(
+        "auto", "Keras precision policy; auto: from the hardware (timed on the model where "
+                "bfloat16 is native on a CPU); measure: always time float32 against the mixed "
+                "policy on the model.", choices=PRECISIONS)
+    xla: str = option("auto", "XLA-compile the per-replica step; auto: on for GPU/TPU, off on "
+                              "CPU.", choices=XLA_MODES)
+    intra_op_threads: int | Auto = option(
+        AUTO, "Threads one op may split its work over: N, 0 for TF's default (one per core), or "
+              "auto (one for a tiny model's step on a CPU host, else the default).")
 
     def validate(self) -> RuntimeConfig:
-        _choice("strategy", self.strategy, STRATEGIES)
-        _choice("precision", self.precision, PRECISIONS)
-        _choice("xla", self.xla, ("auto", "on", "off"))
+        _check_choices(self)
         _non_negative("cpu_replicas", self.cpu_replicas)
-        if self.intra_op_threads < -1:
-            raise UsageError(f"--intra_op_threads={self.intra_op_threads} must be >= 0 "
-                             "(0: one per core) or 'auto'")
+        _count_or_auto("intra_op_threads", self.intra_op_threads, minimum=0,
+                       rest=" (0: one per core) or 'auto'")
         return self
 
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    """The optimisation loop.
+    """The optimisation loop (``tfspeed.training``)."""
 
-    Attributes:
-      epochs: passes over the train split (ignored when ``train_steps`` > 0).
-      train_steps: total optimizer updates; 0 means ``epochs`` full passes.
-      learning_rate: peak learning rate (before ``scale_lr_with_batch``).
-      optimizer: ``adam``, ``adamw`` or ``sgd`` (SGD with Nesterov momentum 0.9).
-      lr_schedule: ``constant`` or ``cosine`` (decay to 0 over the run), counted in updates.
-      warmup_steps: linear warm-up updates from 0 to the peak rate.
-      scale_lr_with_batch: multiply the rate by effective batch / 256 (linear scaling rule).
-      steps_per_execution: micro-steps run inside one ``tf.function`` call; 0 = auto-tune.
-      grad_accum_steps: micro-batches per optimizer update.
-      checkpoint_every: updates between checkpoints (0: only at the end).
-      keep_checkpoints: how many recent checkpoints to keep.
-      eval_steps: cap on evaluation batches; 0 evaluates the whole split.
-      log_every: micro-steps between loss/throughput logs (each log syncs with the device).
-      profile_steps: ``(start, end)`` micro-steps to capture with the TensorBoard profiler;
-        empty for none.
-      loss: a Keras loss name or ``package.module:function`` (one value per example); ''
-        for the task's default (``tfspeed.training.objectives``).
-      metrics: Keras metric names or ``package.module:function``s; () for the default.
-    """
-
-    epochs: int = 1
-    train_steps: int = 0
-    learning_rate: float = 1e-3
-    optimizer: str = "adam"
-    lr_schedule: str = "constant"
-    warmup_steps: int = 0
-    scale_lr_with_batch: bool = False
-    steps_per_execution: int = 1
-    grad_accum_steps: int = 1
-    checkpoint_every: int = 0
-    keep_checkpoints: int = 3
-    eval_steps: int = 0
-    log_every: int = 50
-    profile_steps: tuple[int, ...] = ()
-    loss: str = ""
-    metrics: tuple[str, ...] = ()
+    epochs: int = option(1, "Passes over the train split (ignored when --train_steps > 0).")
+    train_steps: int = option(0, "Total optimizer updates; 0: --epochs full passes.")
+    learning_rate: float = option(1e-3, "Peak learning rate (before --scale_lr_with_batch).")
+    optimizer: str = option("adam", "adam, adamw or sgd (Nesterov momentum 0.9).",
+                            choices=OPTIMIZERS)
+    lr_schedule: str = option("constant", "constant, or cosine decay to 0 over the run; counted "
+                                          "in optimizer updates.", choices=LR_SCHEDULES)
+    warmup_steps: int = option(0, "Linear warm-up updates from 0 to the peak rate.")
+    scale_lr_with_batch: bool = option(
+        False, "Scale the rate by batch_size x grad_accum_steps / 256 (linear scaling rule).")
+    steps_per_execution: int | Auto = option(
+        AUTO, "Micro-steps per compiled call (cuts Python overhead), or auto: timed while "
+              "training, the smallest power of two whose call overhead is <= 2% of a call.")
+    grad_accum_steps: int = option(1, "Micro-batches of --batch_size per optimizer update.")
+    checkpoint_every: int = option(0, "Updates between checkpoints (0: only at the end).")
+    keep_checkpoints: int = option(3, "Recent checkpoints kept.")
+    eval_steps: int = option(0, "Cap on evaluation batches; 0: the whole split.")
+    log_every: int = option(50, "Micro-steps between logged loss and throughput (each log "
+                                "syncs with the device).")
+    profile_steps: tuple[int, ...] = option(
+        (), "START,END: capture these micro-steps with the TensorBoard profiler.")
+    loss: str = option("", "A Keras loss name or package.module:function (one loss per "
+                           "example); '': by task, sparse_categorical_crossentropy or mse.")
+    metrics: tuple[str, ...] = option(
+        (), "Keras metric names or package.module:function (means of per-example values); "
+            "default by task: accuracy or mae.")
 
     def validate(self) -> TrainConfig:
         _positive("epochs", self.epochs)
         _non_negative("train_steps", self.train_steps)
         _non_negative("eval_steps", self.eval_steps)
-        _non_negative("steps_per_execution", self.steps_per_execution)
+        _count_or_auto("steps_per_execution", self.steps_per_execution, minimum=1)
         _positive("grad_accum_steps", self.grad_accum_steps)
         _non_negative("warmup_steps", self.warmup_steps)
         _non_negative("checkpoint_every", self.checkpoint_every)
         _positive("keep_checkpoints", self.keep_checkpoints)
-        _choice("lr_schedule", self.lr_schedule, ("constant", "cosine"))
+        _check_choices(self)
         if self.profile_steps and (len(self.profile_steps) != 2 or not
                                    1 <= self.profile_steps[0] <= self.profile_steps[1]):
             raise UsageError(f"--profile_steps={','.join(map(str, self.profile_steps))} must be "
@@ -249,19 +218,18 @@ class TrainConfig:
         _positive("log_every", self.log_every)
         if not self.learning_rate > 0:
             raise UsageError(f"--learning_rate={self.learning_rate} must be > 0")
-        _choice("optimizer", self.optimizer, ("adam", "adamw", "sgd"))
         return self
 
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """The whole experiment: one frozen value built from flags (or by hand in Python)."""
+    """The whole experiment: one frozen value built from flags, by ``tfspeed.fit`` or by hand."""
 
-    data: DataConfig
+    data: DataConfig = DataConfig()
     model: ModelConfig = ModelConfig()
     runtime: RuntimeConfig = RuntimeConfig()
     train: TrainConfig = TrainConfig()
-    model_dir: str = "runs/default"
+    model_dir: str = option("", "Where logs, checkpoints, the model and report.json go.")
 
     def validate(self) -> Config:
         """Checks each part and the rules that span parts; returns self."""
@@ -278,6 +246,53 @@ class Config:
 
     def dumps(self) -> str:
         return json.dumps(self.to_json(), indent=2)
+
+
+SECTIONS = {"data": DataConfig, "model": ModelConfig, "runtime": RuntimeConfig,
+            "train": TrainConfig}
+
+
+def is_auto(value) -> bool:
+    """Whether a setting is still ``auto`` (to be resolved)."""
+    return isinstance(value, str) and value == AUTO
+
+
+def flag_name(field: dataclasses.Field) -> str:
+    return field.metadata.get("flag") or field.name
+
+
+def _check_choices(section) -> None:
+    """Every field with a list of allowed values holds one (each item, for a tuple)."""
+    for field in dataclasses.fields(section):
+        allowed = field.metadata.get("choices")
+        if not allowed:
+            continue
+        value = getattr(section, field.name)
+        for item in value if isinstance(value, tuple) else (value,):
+            _choice(flag_name(field), item, allowed)
+
+
+def _count_or_auto(flag: str, value, minimum: int, rest: str = " (or 'auto')") -> None:
+    if is_auto(value):
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise UsageError(f"--{flag}={value!r} must be a number or 'auto'")
+    if value < minimum:
+        raise UsageError(f"--{flag}={value} must be >= {minimum}{rest}")
+
+
+def _check_address(address: str) -> None:
+    """``grpc://HOST:PORT`` (the dispatcher); the client checks that it answers."""
+    from urllib.parse import urlsplit
+
+    url = urlsplit(address if "://" in address else f"grpc://{address}")
+    try:
+        port = url.port
+    except ValueError:
+        port = None
+    if url.scheme != "grpc" or not url.hostname or not port or url.path not in ("", "/"):
+        raise UsageError(f"--data_service={address!r} is not a dispatcher address; use "
+                         "grpc://HOST:PORT (e.g. grpc://127.0.0.1:5050)")
 
 
 def _choice(flag: str, value: str, allowed: tuple[str, ...]) -> None:

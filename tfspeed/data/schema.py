@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from tfspeed.errors import UsageError
+from tfspeed.util.files import write_json_atomic
 
 FORMAT_VERSION = 1
 SCHEMA_FILE = "schema.json"
@@ -314,17 +315,6 @@ def read(data_dir: str) -> Schema:
         return Schema.from_json(d)
     except (KeyError, TypeError, ValueError) as e:
         raise UsageError(f"{path} is malformed ({e!r}); reconvert with --overwrite") from None
-
-
-def write_json_atomic(path: str, obj: Any) -> None:
-    """Writes JSON so that a reader sees either the old file or the whole new one."""
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=2, sort_keys=False)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def standardize_stats(array: np.ndarray) -> dict[str, list[float]]:

@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 from absl import logging
 
-from tfspeed.config import RuntimeConfig
+from tfspeed.config import RuntimeConfig, is_auto
 from tfspeed.errors import UsageError
 from tfspeed.runtime import hostmem
 
@@ -304,7 +304,7 @@ def _with_threads(plan: Plan, config: RuntimeConfig, hw: Hardware, forward_flops
     from tfspeed.runtime import threads
 
     flops, environ = None, os.environ.get("TF_NUM_INTRAOP_THREADS")
-    if config.intra_op_threads == threads.AUTO and forward_flops and not (hw.gpus or environ):
+    if is_auto(config.intra_op_threads) and forward_flops and not (hw.gpus or environ):
         flops = forward_flops(_replicas_before_strategy(plan))
     count, why = threads.choose(config.intra_op_threads, flops, len(hw.gpus), environ)
     applied = threads.apply(count)

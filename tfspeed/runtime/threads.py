@@ -31,11 +31,12 @@ import logging as py_logging
 
 from absl import logging
 
-AUTO = -1  # RuntimeConfig.intra_op_threads: decide from the model's size
+from tfspeed.config import AUTO  # RuntimeConfig.intra_op_threads: decide from the model's size
+
 SMALL_STEP_FLOPS = 16e6  # forward FLOPs per replica step under which one thread wins here
 
 
-def choose(requested: int, forward_flops: float | None, gpus: int,
+def choose(requested: int | str, forward_flops: float | None, gpus: int,
            environ: str | None = None) -> tuple[int, str]:
     """(intra-op threads to set, 0 for TF's default; the reason), a pure function.
 

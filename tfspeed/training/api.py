@@ -15,7 +15,6 @@ import contextlib
 import dataclasses
 import inspect
 import os
-import tempfile
 from collections.abc import Sequence
 
 from tfspeed.errors import UsageError
@@ -23,11 +22,18 @@ from tfspeed.errors import UsageError
 
 def fit(model, train, validation=None, *, epochs: int | None = None,
         steps: int | None = None, loss=None, metrics: Sequence | None = None,
-        optimizer="adam", learning_rate: float = 1e-3, task: str | None = None,
-        strategy="auto", cpu_replicas: int = 0, precision: str = "auto", xla: str = "auto",
-        grad_accum_steps: int = 1, steps_per_execution="auto", model_dir: str | None = None,
-        checkpoint_every: int = 0, log_every: int = 50, callbacks: Sequence = ()) -> dict:
+        optimizer=None, learning_rate: float | None = None, task: str | None = None,
+        strategy=None, cpu_replicas: int | None = None, precision: str | None = None,
+        xla: str | None = None, grad_accum_steps: int | None = None,
+        steps_per_execution: int | str | None = None, model_dir: str | None = None,
+        checkpoint_every: int | None = None, log_every: int | None = None,
+        callbacks: Sequence = ()) -> dict:
     """Trains ``model`` on ``train`` with tfspeed's engine; evaluates on ``validation``.
+
+    Every keyword left out takes the default of ``tfspeed.config`` (the dataclasses the
+    command line's flags come from), so ``tfspeed.fit(model, train)`` resolves the same
+    settings as ``python -m tfspeed.train`` without flags: one epoch, ``auto`` strategy,
+    precision, XLA and steps per execution, Adam at 1e-3.
 
     Args:
       model: a ``keras.Model``, or a function of no arguments that builds one (tfspeed then
@@ -38,7 +44,7 @@ def fit(model, train, validation=None, *, epochs: int | None = None,
         inputs). Its batch size is the global batch of one micro-step; a last partial batch
         is dropped, and epochs follow one another without a short batch.
       validation: a dataset of ``(x, y)`` batches, evaluated once at the end.
-      epochs / steps: passes over ``train``, or optimizer updates (one of the two).
+      epochs / steps: passes over ``train``, or optimizer updates (at most one of the two).
       loss: a Keras loss name, ``package.module:function`` or a function returning one loss
         per example; None: by task (sparse categorical cross-entropy, or mse).
       metrics: names or per-example functions; None: by task (accuracy, or mae).
@@ -51,43 +57,38 @@ def fit(model, train, validation=None, *, epochs: int | None = None,
       precision / xla: as the driver's ``--precision`` / ``--xla``.
       grad_accum_steps: micro-batches per optimizer update.
       steps_per_execution: micro-steps per compiled call, or ``auto``.
-      model_dir: checkpoints (a rerun resumes) and TensorBoard logs; None: a new temporary
-        directory.
+      model_dir: checkpoints (a rerun resumes), TensorBoard logs, the weights and
+        ``report.json``; None: a new temporary directory.
       checkpoint_every: updates between checkpoints (0: at the end).
       log_every: micro-steps between logged metrics.
       callbacks: ``keras.callbacks.Callback``s: ``on_train_begin``, ``on_epoch_end(epoch,
         logs)`` with the training metrics, ``on_train_end`` with ``val_*`` added.
 
     Returns:
-      The report: ``history`` (every log point), ``train_metrics``, ``eval_metrics``,
-      throughput, ``optimizer_updates``, the runtime and objectives chosen and why, the
-      ``model_dir``, and the trained ``model``.
+      The report (also written to ``model_dir/report.json``, less the model): ``history``
+      (every log point), ``train_metrics``, ``eval_metrics``, throughput,
+      ``optimizer_updates``, the resolved ``config``, the runtime and objectives chosen and
+      why, the files ``saved``, the ``model_dir``, and the trained ``model``.
     """
     import tensorflow as tf
 
-    from tfspeed.config import TrainConfig
-    from tfspeed.training import checkpoints, objectives, trainer
-    from tfspeed.util import locks
+    from tfspeed.training import checkpoints, objectives, report, trainer
 
     if not isinstance(train, tf.data.Dataset):
         raise UsageError(f"train must be a tf.data.Dataset of (x, y) batches, got "
                          f"{type(train).__name__}")
-    if (epochs is None) == (steps is None):
-        raise UsageError("give tfspeed.fit either epochs= or steps=")
-    model_dir = model_dir or tempfile.mkdtemp(prefix="tfspeed-fit-")
-    os.makedirs(model_dir, exist_ok=True)
-    lock = locks.acquire(os.path.join(model_dir, locks.LOCK_FILE), f"model_dir={model_dir}",
-                         "wait for it to finish or stop it, or use another model_dir")
-    try:
-        rt = _runtime(strategy, cpu_replicas, precision, xla, model)
+    if epochs is not None and steps is not None:
+        raise UsageError("give tfspeed.fit epochs= or steps=, not both")
+    config = fit_config(epochs=epochs, train_steps=steps, learning_rate=learning_rate,
+                        optimizer=optimizer, steps_per_execution=steps_per_execution,
+                        grad_accum_steps=grad_accum_steps, checkpoint_every=checkpoint_every,
+                        log_every=log_every, strategy=strategy, cpu_replicas=cpu_replicas,
+                        precision=precision, xla=xla, model_dir=model_dir)
+    os.makedirs(config.model_dir, exist_ok=True)
+    with locked_model_dir(config.model_dir, "model_dir"):
+        rt = _runtime(strategy, config.runtime, model)
         batch, per_epoch = _batch_and_epoch(train)
         built = _build(model, rt, train)
-        config = TrainConfig(
-            epochs=epochs or 1, train_steps=steps or 0, learning_rate=learning_rate,
-            optimizer=optimizer if isinstance(optimizer, str) else "adam",
-            steps_per_execution=0 if steps_per_execution == "auto" else steps_per_execution,
-            grad_accum_steps=grad_accum_steps, checkpoint_every=checkpoint_every,
-            log_every=log_every).validate()
         task = task or ("regression" if train.element_spec[1].dtype.is_floating
                         else "classification")
         goals = objectives.resolve(loss or "", metrics, task, built)
@@ -98,14 +99,48 @@ def fit(model, train, validation=None, *, epochs: int | None = None,
         with _label_errors(built):
             result = trainer.fit(
                 built, data, distribute(validation) if validation is not None else None,
-                config, rt, steps_per_epoch=per_epoch, eval_steps=None,
-                global_batch_size=batch, model_dir=model_dir, objectives=goals,
+                config.train, rt, steps_per_epoch=per_epoch, eval_steps=None,
+                global_batch_size=batch, model_dir=config.model_dir, objectives=goals,
                 callbacks=callbacks, optimizer=None if isinstance(optimizer, str) else optimizer)
-        saved = checkpoints.export_model(built, model_dir) if rt.is_chief else {}
+        out = {**dataclasses.asdict(result), "runtime": rt.to_json(),
+               "objectives": goals.report, "model_dir": config.model_dir,
+               "config": config.to_json()}
+        if rt.is_chief:
+            out["saved"] = checkpoints.export_model(built, config.model_dir)
+            report.write(config.model_dir, out)
+    return {**out, "model": built}
+
+
+def fit_config(*, model_dir: str | None = None, **given):
+    """The ``Config`` that ``tfspeed.fit`` trains with: the dataclasses' defaults, with each
+    keyword that was given (not None) in its place. An optimizer or strategy object is
+    recorded by its default name (the object itself is used)."""
+    import tempfile
+
+    from tfspeed.config import Config, RuntimeConfig, TrainConfig
+
+    def chosen(cls):
+        names = {f.name for f in dataclasses.fields(cls)}
+        return {k: v for k, v in given.items() if k in names and v is not None
+                and (k not in ("optimizer", "strategy") or isinstance(v, str))}
+
+    train = TrainConfig(**chosen(TrainConfig)).validate()
+    runtime = RuntimeConfig(**chosen(RuntimeConfig)).validate()
+    return Config(runtime=runtime, train=train,
+                  model_dir=model_dir or tempfile.mkdtemp(prefix="tfspeed-fit-"))
+
+
+@contextlib.contextmanager
+def locked_model_dir(model_dir: str, flag: str = "--model_dir"):
+    """Holds the lock on ``model_dir`` for the block: two runs writing one directory would
+    overwrite each other's checkpoints, logs and report."""
+    from tfspeed.util import locks
+
+    lock = locks.lock_model_dir(model_dir, flag)
+    try:
+        yield lock
     finally:
         lock.release()
-    return {**dataclasses.asdict(result), "runtime": rt.to_json(),
-            "objectives": goals.report, "model_dir": model_dir, "saved": saved, "model": built}
 
 
 def _check_classes(model, dataset, name: str) -> None:
@@ -145,26 +180,24 @@ def _label_errors(model):
                          ) from None
 
 
-def _runtime(strategy, cpu_replicas: int, precision: str, xla: str, model):
-    """The Runtime: resolved from names, or around a strategy object."""
+def _runtime(strategy, config, model):
+    """The Runtime: resolved from ``config``, or around a strategy object."""
     import keras
 
     from tfspeed import runtime
-    from tfspeed.config import RuntimeConfig
 
     built = isinstance(model, keras.Model)
     if built:  # its layers have their dtypes already
-        precision = model.dtype_policy.name
-    if isinstance(strategy, str):
-        if built and strategy not in ("auto", "default"):
-            raise UsageError(f"strategy={strategy!r} needs the model built in its scope: pass "
-                             "a function that builds the model, and tfspeed calls it there")
-        config = RuntimeConfig(strategy="default" if built else strategy,
-                               cpu_replicas=cpu_replicas, precision=precision,
-                               xla=xla).validate()
+        config = dataclasses.replace(config, precision=model.dtype_policy.name)
+    if strategy is None or isinstance(strategy, str):
+        if built and config.strategy not in ("auto", "default"):
+            raise UsageError(f"strategy={config.strategy!r} needs the model built in its scope: "
+                             "pass a function that builds the model, and tfspeed calls it there")
+        if built:
+            config = dataclasses.replace(config, strategy="default")
         return runtime.setup(config)
-    plan = runtime.resolve(RuntimeConfig(strategy="default", precision=precision,
-                                         xla=xla).validate(), runtime.detect_hardware())
+    plan = runtime.resolve(dataclasses.replace(config, strategy="default"),
+                           runtime.detect_hardware())
     plan = dataclasses.replace(plan, strategy=type(strategy).__name__,
                                reasons={**plan.reasons, "strategy": "given"})
     keras.mixed_precision.set_global_policy(plan.precision)

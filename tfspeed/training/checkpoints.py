@@ -16,9 +16,8 @@ import tensorflow as tf
 from absl import logging
 
 from tfspeed.config import TrainConfig
-from tfspeed.errors import UsageError
+from tfspeed.errors import UsageError, storage_error
 from tfspeed.training.engine import Engine
-from tfspeed.util.cli import storage_error
 
 
 def _damaged(error: Exception) -> bool:

@@ -3,32 +3,15 @@
 from __future__ import annotations
 
 import os
-import platform
 
-import keras
-import tensorflow as tf
-
-from tfspeed.data.schema import write_json_atomic
-from tfspeed.runtime import hostmem
-
-
-def versions() -> dict[str, str]:
-    """Versions of what shapes speed and results: Python, TensorFlow, Keras, the machine."""
-    return {
-        "python": platform.python_version(),
-        "tensorflow": tf.__version__,
-        "keras": keras.__version__,
-        "machine": platform.machine(),
-        "cpus": str(os.cpu_count()),
-        # "malloc" makes decoding input pipelines 1.3-4.1x slower (tfspeed.runtime.hostmem).
-        "host_allocator": hostmem.describe(),
-    }
+from tfspeed.util import system
+from tfspeed.util.files import write_json_atomic
 
 
 def write(model_dir: str, report: dict) -> str:
     """Writes ``model_dir/report.json`` atomically; returns its path."""
     path = os.path.join(model_dir, "report.json")
-    write_json_atomic(path, {**report, "versions": versions()})
+    write_json_atomic(path, {**report, "versions": system.versions()})
     return path
 
 

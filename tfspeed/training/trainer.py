@@ -24,7 +24,7 @@ import keras
 import tensorflow as tf
 from absl import logging
 
-from tfspeed.config import TrainConfig
+from tfspeed.config import TrainConfig, is_auto
 from tfspeed.diagnosis import profiling
 from tfspeed.errors import UsageError
 from tfspeed.runtime import Runtime
@@ -155,7 +155,8 @@ def make_engine(model: keras.Model, objectives, config: TrainConfig, runtime: Ru
         engine = Engine(
             model, optimizer, runtime.strategy, objectives.loss,
             EngineOptions(grad_accum_steps=config.grad_accum_steps,
-                          steps_per_execution=config.steps_per_execution or 1,
+                          steps_per_execution=(1 if is_auto(config.steps_per_execution)
+                                               else config.steps_per_execution),
                           xla=runtime.xla, loss_scale=runtime.plan.loss_scale),
             global_batch_size=global_batch_size, preprocess=preprocess,
             metrics=objectives.metrics,
@@ -357,13 +358,13 @@ class _Loop:
         done = int(self.engine.micro_steps.numpy())  # > 0 after a resume
         self._logged = done
         spe = self.config.steps_per_execution
-        if not spe and done < self.total_micro and self.profile and (
+        if is_auto(spe) and done < self.total_micro and self.profile and (
                 self.profile.first <= done + autotune.PROBE_SHARE * (self.total_micro - done)):
             # The tuner's probe calls would run the window's steps untraced: capture it first
             # (in calls as long as the window allows), then tune on the steps after it.
             done = self._steps(iterator, checkpoints, stop, done,
                                min(self.profile.last, self.total_micro), self.total_micro)
-        if not spe and done < self.total_micro and not stop.signum:
+        if is_auto(spe) and done < self.total_micro and not stop.signum:
             probed_from = done
             spe, done = self._tune(iterator, done)
             # A probe (it may be skipped in a short run) traced the step function.

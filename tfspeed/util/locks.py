@@ -173,3 +173,14 @@ def _same_file(fd: int, path: str) -> bool:
     except OSError:
         return False
     return (mine.st_dev, mine.st_ino) == (now.st_dev, now.st_ino)
+
+
+def lock_model_dir(model_dir: str, flag: str = "--model_dir") -> Lock:
+    """The lock on a run directory: two runs writing one directory (training, diagnosis,
+    ``tfspeed.fit``) would overwrite each other's checkpoints, logs and report.
+
+    Raises:
+      UsageError: a live run holds it, naming that run and what to do.
+    """
+    return acquire(os.path.join(model_dir, LOCK_FILE), f"{flag}={model_dir}",
+                   f"wait for it to finish or stop it, or use another {flag}")

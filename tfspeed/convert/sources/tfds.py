@@ -81,7 +81,7 @@ def open_tfds(name: str, opts: SourceOptions) -> Source:
 @functools.lru_cache(maxsize=4)
 def _tfds_builder(name: str, data_dir: str | None):
     """The builder of a prepared TFDS dataset; never downloads (UsageError if unprepared)."""
-    from tfspeed.util.cli import import_tensorflow_quietly
+    from tfspeed.util.system import import_tensorflow_quietly
 
     import_tensorflow_quietly()  # TFDS imports TF; keep its start-up banner off stderr
     import tensorflow_datasets as tfds

@@ -1,0 +1,177 @@
+"""One set of defaults: the config dataclasses, the command line and ``tfspeed.fit`` resolve the
+same job; ``auto`` is a value of its own; the package imports in one direction."""
+
+import ast
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO
+from tfspeed import config as config_lib
+from tfspeed.config import AUTO, Config, DataConfig, ModelConfig, RuntimeConfig, TrainConfig
+from tfspeed.errors import UsageError
+
+ENV = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
+COMMANDS = {"tfspeed.train", "tfspeed.tune", "tfspeed.diagnose", "tfspeed.verify",
+            "tfspeed.launch", "tfspeed.data_service", "tfspeed.bench"}
+
+
+def test_auto_is_a_value_of_its_own():
+    train, runtime = TrainConfig(), RuntimeConfig()
+    assert train.steps_per_execution == AUTO and runtime.intra_op_threads == AUTO
+    assert (runtime.strategy, runtime.precision, runtime.xla) == (AUTO, AUTO, AUTO)
+    assert TrainConfig(steps_per_execution=4).validate().steps_per_execution == 4
+    for bad, message in ((0, "must be >= 1"), ("sometimes", "must be a number or 'auto'"),
+                         (-1, "must be >= 1")):
+        with pytest.raises(UsageError, match=message):
+            TrainConfig(steps_per_execution=bad).validate()
+    with pytest.raises(UsageError, match=r"--intra_op_threads=-1 must be >= 0 \(0: one per "
+                                         r"core\) or 'auto'"):
+        RuntimeConfig(intra_op_threads=-1).validate()
+
+
+def test_every_flag_comes_from_a_field_with_its_default_and_help():
+    from absl import flags
+
+    from tfspeed.config import flags as config_flags  # noqa: F401 -- defines the flags
+
+    for section in config_lib.SECTIONS.values():
+        for field in dataclasses.fields(section):
+            flag = flags.FLAGS[config_lib.flag_name(field)]
+            assert flag.help.endswith(field.metadata["help"])
+            default = field.default
+            expected = [str(v) for v in default] if isinstance(default, tuple) else (
+                str(default) if "Auto" in str(field.type) else default)
+            assert flag.default == expected, field.name
+
+
+def _report(path) -> dict:
+    return json.loads((path / "report.json").read_text())
+
+
+def _json(value):
+    """As report.json holds it (tuples become lists)."""
+    return json.loads(json.dumps(value))
+
+
+def test_python_the_command_line_and_fit_resolve_the_same_defaults(digits_dir, tmp_path):
+    """Config() in Python, the CLI with no flags but the paths, and tfspeed.fit with no
+    keywords: the same settings, resolved the same way, in each report.json."""
+    from tfspeed.training.run import run
+
+    run(Config(data=DataConfig(data_dir=digits_dir), model_dir=str(tmp_path / "python")).validate())
+    python = _report(tmp_path / "python")
+    done = subprocess.run([sys.executable, "-m", "tfspeed.train", f"--data_dir={digits_dir}",
+                           f"--model_dir={tmp_path / 'cli'}"], cwd=REPO, env=ENV,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    cli = _report(tmp_path / "cli")
+    import tfspeed.data
+    from tfspeed.training import models
+
+    train = tfspeed.data.build(digits_dir, "train", 128)
+    fit = tfspeed.fit(lambda: models.build(ModelConfig(), (8, 8, 1), 10), train,
+                      model_dir=str(tmp_path / "fit"))
+    fitted = _report(tmp_path / "fit")
+    assert fitted["config"] == _json(fit["config"])
+    for report in (python, cli, fitted):
+        assert report["config"]["train"] == _json(dataclasses.asdict(TrainConfig()))
+        assert report["config"]["runtime"] == _json(dataclasses.asdict(RuntimeConfig()))
+    expected = {**dataclasses.asdict(Config()), "data": {**dataclasses.asdict(DataConfig()),
+                                                         "data_dir": digits_dir}}
+    for report, name in ((python, "python"), (cli, "cli")):
+        assert report["config"] == _json({**expected, "model_dir": str(tmp_path / name)})
+    # Resolved the same way: the hardware rules and the tuner ran for each.
+    resolved = [(r["runtime"]["strategy"], r["runtime"]["precision"], r["runtime"]["xla"],
+                 r["steps_per_execution"]["auto"]) for r in (python, cli, fitted)]
+    assert resolved[0] == resolved[1] == resolved[2]
+    assert resolved[0][3] is True
+
+
+def _imports(path) -> list[str]:
+    """The tfspeed modules a file imports at its top level (not inside functions)."""
+    tree = ast.parse(path.read_text())
+    found = []
+    for node in tree.body:
+        if isinstance(node, ast.Import):
+            found += [a.name for a in node.names if a.name.startswith("tfspeed")]
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("tfspeed"):
+            found.append(node.module)
+            found += [f"{node.module}.{a.name}" for a in node.names]
+    return found
+
+
+def _modules() -> dict[str, object]:
+    package = REPO / "tfspeed"
+    out = {}
+    for path in package.rglob("*.py"):
+        name = ".".join(path.relative_to(REPO).with_suffix("").parts)
+        out[name.removesuffix(".__init__")] = path
+    return out
+
+
+def test_library_code_never_imports_a_command():
+    modules = _modules()
+    for name, path in modules.items():
+        if name in COMMANDS or name == "tfspeed.util.cli" or name == "tfspeed.convert.cli":
+            continue
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):  # inside functions too
+            targets = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                targets = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            bad = [t for t in targets if t in COMMANDS or t == "tfspeed.util.cli"]
+            assert not bad, f"{name} imports command-line code {bad}"
+
+
+def test_no_import_cycles_between_modules():
+    modules = _modules()
+    graph = {name: {t for t in _imports(path) if t in modules and t != name}
+             for name, path in modules.items()}
+    # Importing a.b.c runs a/__init__ and a/b/__init__ first.
+    for name in list(graph):
+        parts = name.split(".")
+        for i in range(2, len(parts)):
+            parent = ".".join(parts[:i])
+            if parent in graph and parent != name:
+                graph[name].add(parent)
+    state = {}
+
+    def visit(node, stack):
+        state[node] = "open"
+        for nxt in sorted(graph[node]):
+            if nxt.startswith(node + "."):
+                continue  # a package importing its own module is not a cycle
+            if state.get(nxt) == "open":
+                raise AssertionError(f"import cycle: {' -> '.join([*stack, node, nxt])}")
+            if nxt not in state:
+                visit(nxt, [*stack, node])
+        state[node] = "done"
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [])
+
+
+def test_importing_the_config_imports_no_tensorflow():
+    code = ("import sys; import tfspeed.config, tfspeed.config.flags; "
+            "c = tfspeed.config.DataConfig(data_dir='x', augment=('flip',)).validate(); "
+            "print('tensorflow' in sys.modules, 'keras' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=ENV,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["False", "False"]
+
+
+def test_the_config_names_match_the_code_that_implements_them():
+    from tfspeed.data import ops
+    from tfspeed.training import models
+
+    assert set(config_lib.MODELS) == set(models.MODELS)
+    assert set(config_lib.AUGMENTATIONS) == set(ops.AUGMENTATIONS)

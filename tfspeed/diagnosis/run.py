@@ -1,0 +1,90 @@
+"""A diagnosis end to end: prepare the job, measure, decide, write diagnose.json and the chart,
+print the verdict. ``run(config)`` is what ``python -m tfspeed.diagnose`` calls."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+from tfspeed.diagnosis.measure import Options, measure
+from tfspeed.training import job as job_lib
+
+
+def run(config, options: Options = Options()) -> dict:  # noqa: B008 -- frozen
+    """Measures, decides and writes the diagnosis; returns it as a dict."""
+    # It trains the model and writes into --model_dir: it holds the run's lock too, so a
+    # training run and a diagnosis on one directory never overwrite each other.
+    with job_lib.data_errors(config.data.data_dir):
+        job = job_lib.prepare(config)
+    out_dir = os.path.join(config.model_dir, "diagnose")
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        with job_lib.data_errors(config.data.data_dir):
+            figures = measure(job, options, out_dir)
+        result = {**figures, **decide(job, figures)}
+        with open(os.path.join(out_dir, "diagnose.json"), "w") as f:
+            json.dump(result, f, indent=2)
+        result["chart"] = _chart(result, os.path.join(out_dir, "diagnose.png"))
+    finally:
+        job.release()
+    for line in report_lines(result):
+        print(line)
+    print(f"details: {out_dir}/diagnose.json, chart: {result['chart']}")
+    return result
+
+def decide(job, figures: dict) -> dict:
+    """The verdict and the next steps, from the figures (pure: no measuring here)."""
+    from tfspeed.diagnosis import advice
+
+    config = dataclasses.replace(job.config, data=job.train_data_config)  # cache resolved
+    return advice.decide(config, job.schema, job.runtime.plan, figures)
+
+def report_lines(result: dict) -> list[str]:
+    eps = result["examples_per_sec"]
+    memory = result["memory"]
+    lines = [
+        f"tfspeed diagnose: {result['verdict'].upper()}" + (
+            f" ({result['severity']})" if result.get("severity") else "") + f": {result['why']}",
+        f"  input alone          : {eps['input_alone']:10.0f} examples/s "
+        f"({result.get('input_measured', 'the tf.data pipeline')})",
+        f"  model alone          : {eps['compute_alone']:10.0f} examples/s (synthetic batch)",
+        f"  together             : {eps['together']:10.0f} examples/s, "
+        f"{result['input_wait_pct']:.0f}% of the time waiting for input",
+        f"  peak host memory     : {memory['peak_host_rss_mb'] / 1024:.1f} GB of "
+        f"{memory['host_total_mb'] / 1024:.1f} GB (allocator: "
+        f"{memory.get('host_allocator', 'unknown')})",
+    ]
+    if result["profile"].get("conclusion"):
+        lines.append(f"  xprof: {result['profile']['conclusion']}")
+    stages = result["stages_ms_per_batch"]
+    lines.append("  input stages (ms per batch): " + ", ".join(
+        f"{name} {ms:.1f}" for name, ms in stages.items()))
+    lines.append("next steps, by expected gain:")
+    for i, step in enumerate(result["next_steps"], 1):
+        lines.append(f"  {i}. {step['advice']}  [{step['expected_gain']}]")
+    return lines
+
+def _chart(result: dict, path: str) -> str:
+    """Throughput of (a)/(b)/(c) and time per pipeline stage, as a PNG a person can look at."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    eps = result["examples_per_sec"]
+    stages = result["stages_ms_per_batch"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    names = ["input alone", "model alone", "together"]
+    values = [eps["input_alone"], eps["compute_alone"], eps["together"]]
+    left.bar(names, values, color=["#4c72b0", "#55a868", "#c44e52"])
+    left.set_ylabel("examples/s")
+    left.set_title(f"verdict: {result['verdict']}")
+    right.barh(list(stages), list(stages.values()), color="#8172b2")
+    right.invert_yaxis()
+    right.set_xlabel("ms per batch added by the stage")
+    right.set_title("input pipeline stages")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

@@ -1,0 +1,324 @@
+"""One job: everything a run sets up before its loop, built in one place.
+
+``prepare(config)`` resolves the runtime, locks ``--model_dir``, converts demo data if asked,
+builds the input, measures the precision where ``auto`` or ``measure`` asks, and builds the
+model with its resolved objectives. ``build_model``, ``build_engine`` and ``engine_at`` are
+the only way a model and its engine are made: training, the precision probe,
+``tfspeed.tune`` and ``tfspeed.diagnose`` all go through them, so every engine trains the
+job's own loss and metrics.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import os
+import sys
+
+from absl import logging
+
+from tfspeed.config import Config
+from tfspeed.errors import UsageError
+from tfspeed.util import locks
+
+
+@dataclasses.dataclass
+class Job:
+    """Everything a run sets up before its loop: shared by training and ``tfspeed.diagnose``."""
+
+    config: Config
+    runtime: object
+    schema: object
+    model: object
+    train_data: object  # distributed, repeating
+    eval_data: object | None  # distributed, finite
+    eval_steps: int | None
+    input_shape: tuple[int, ...]
+    num_train: int
+    prepare_seconds: float
+    input_sharding: str = ""
+    lock: locks.Lock | None = None  # on --model_dir, held by the chief until ``release``
+    preprocess: object = None  # runs on each batch's inputs inside the compiled step
+    input_report: dict = dataclasses.field(default_factory=dict)
+    data_configs: dict = dataclasses.field(default_factory=dict)  # per split, cache resolved
+    objectives: object = None  # the loss and metrics (tfspeed.training.objectives)
+
+    @property
+    def train_data_config(self):
+        """The train split's DataConfig as the pipeline runs it (``cache`` resolved)."""
+        return self.data_configs.get(self.config.data.train_split, self.config.data)
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return self.num_train // self.config.data.batch_size
+
+    def release(self) -> None:
+        """Lets another run use ``--model_dir`` (the end of the process does it too)."""
+        if self.lock:
+            self.lock.release()
+
+def prepare(config: Config) -> Job:
+    """Resolves the runtime, locks ``--model_dir``, converts demo data if asked, builds the
+    datasets and the model. Call ``release()`` on the job when done with it.
+
+    Args:
+      config: a validated experiment config.
+
+    Returns:
+      The ``Job``, holding the lock on ``--model_dir`` on the chief.
+
+    Raises:
+      UsageError: another live run (training or diagnosis) holds ``--model_dir``.
+    """
+    from tfspeed import runtime
+
+    _make_dir(config.model_dir)
+    # Two runs writing one model_dir would overwrite each other's checkpoints, logs and
+    # report. Only the chief writes there; the other workers lock their own directories.
+    alone = runtime.cluster_tasks() <= 1
+    lock = locks.lock_model_dir(config.model_dir) if alone else None
+    try:
+        # A single process converts first: --intra_op_threads=auto sizes the model from the
+        # schema, and converting starts no TensorFlow runtime. (A cluster's chief converts
+        # later: its strategy must exist before anything else touches TensorFlow.)
+        converted_s = _prepare_data(config) if alone else 0.0
+        # Devices (logical CPUs, GPU memory growth) and threads are fixed once an op runs.
+        rt = runtime.setup(config.runtime,
+                           forward_flops=functools.partial(_forward_flops, config))
+        if lock is None and rt.is_chief:
+            lock = locks.lock_model_dir(config.model_dir)
+        return _build(config, rt, lock, converted_s)
+    except BaseException:
+        if lock:
+            lock.release()
+        raise
+
+def _forward_flops(config: Config, replicas: int) -> float | None:
+    """The model's forward FLOPs per replica step (``tfspeed.runtime.threads``); None without data."""
+    from tfspeed.data import pipeline
+    from tfspeed.data import schema as schema_lib
+    from tfspeed.runtime import threads
+    from tfspeed.training import models
+
+    if not os.path.exists(os.path.join(config.data.data_dir, schema_lib.SCHEMA_FILE)):
+        return None  # the real build reports the missing data
+    schema = schema_lib.read(config.data.data_dir)
+    shape = pipeline.input_shape(schema, config.data)
+    return threads.forward_flops(lambda: models.build(config.model, shape, schema.num_outputs),
+                                 shape, max(config.data.batch_size // replicas, 1))
+
+def _build(config: Config, rt, lock: locks.Lock | None, converted_s: float = 0.0) -> Job:
+    """``prepare`` once the runtime is set up and the run directory is ours (``converted_s``:
+    seconds converting data already spent)."""
+    import keras
+
+    from tfspeed.data import job_input, pipeline
+    from tfspeed.data import schema as schema_lib
+
+    prepare_seconds = converted_s + (_prepare_data(config) if rt.is_chief
+                                     else _wait_for_data(config))
+    schema = schema_lib.read(config.data.data_dir)
+    data = config.data
+    if data.data_service:
+        from tfspeed.data import service_client as service
+
+        service.check_reachable(data.data_service)
+    num_train = schema.split(data.train_split).num_records
+    _check_batch(data.batch_size, num_train, rt.num_replicas, data.train_split)
+    keras.utils.set_random_seed(data.seed)
+    strategy = rt.strategy
+    inputs = job_input.build(config, schema, strategy, num_train)
+    # The whole split unless --eval_steps caps it. Not a count computed here: with several
+    # workers one may hold a batch more than another, and tf.distribute then runs every
+    # worker until the last has no data (the others get empty batches).
+    eval_steps = config.train.eval_steps or None
+    input_shape = pipeline.input_shape(schema, data)
+    if _precision_to_measure(config, rt):
+        rt = _measure_precision(config, rt, schema, inputs, input_shape, num_train)
+        keras.utils.set_random_seed(data.seed)  # the probe's models drew from the generator
+    model, goals = build_model(config, rt, schema, input_shape)
+    # One input pipeline per worker process.
+    sharding = pipeline.sharding(len(schema.split(data.train_split).shards), rt.num_workers)
+    if data.data_service:
+        sharding = (f"{sharding}; read on the tf.data service at {data.data_service} "
+                    f"({data.data_service_sharding} sharding over its workers)")
+    if rt.num_workers > 1:
+        logging.info("worker %d of %d; input sharded %s", rt.worker_index, rt.num_workers,
+                     sharding)
+    if inputs.report["placement"]["where"] == "device":
+        sharding = "none: every worker holds the split in-graph and gathers its replicas' part"
+    return Job(config=config, runtime=rt, schema=schema, model=model,
+               train_data=inputs.train, eval_data=inputs.eval,
+               eval_steps=eval_steps, input_shape=input_shape, num_train=num_train,
+               prepare_seconds=prepare_seconds, input_sharding=sharding, lock=lock,
+               preprocess=inputs.preprocess, input_report=inputs.report,
+               data_configs=inputs.configs, objectives=goals)
+
+
+# An engine built to be timed, not to train a run: its schedule never ends early.
+
+PROBE_UPDATES = 10**6
+
+def build_model(config: Config, rt, schema, input_shape: tuple[int, ...]):
+    """The job's model, built in the strategy's scope under the current precision policy,
+    with the loss and metrics resolved for it: the one place a job's model and objectives
+    come from (training, the precision probe, ``tfspeed.tune`` and ``tfspeed.diagnose``).
+
+    Returns:
+      ``(model, objectives)``.
+    """
+    from tfspeed.training import models, objectives
+
+    with rt.strategy.scope():
+        model = models.build(config.model, input_shape, schema.num_outputs)
+    goals = objectives.resolve(config.train.loss, config.train.metrics or None, schema.task,
+                               model)
+    return model, goals
+
+def build_engine(config: Config, rt, model, goals, preprocess=None,
+                 total_updates: int = PROBE_UPDATES):
+    """The engine for ``model`` with the job's objectives and optimisation settings."""
+    from tfspeed.training import trainer
+
+    return trainer.make_engine(model, goals, config.train, rt, config.data.batch_size,
+                               total_updates, preprocess)
+
+def engine_at(config: Config, rt, schema, input_shape, preprocess, precision: str,
+              xla: bool | None = None):
+    """A fresh model and its engine under ``precision`` (and ``xla``), for timing: the
+    job's own model, loss and metrics. Sets the global Keras policy to ``precision``.
+
+    Returns:
+      ``(engine, runtime)``: the runtime with ``precision``/``xla`` in its plan.
+    """
+    import keras
+
+    plan = dataclasses.replace(rt.plan, precision=precision,
+                               loss_scale=precision == "mixed_float16",
+                               xla=rt.plan.xla if xla is None else xla)
+    rt = dataclasses.replace(rt, plan=plan)
+    keras.mixed_precision.set_global_policy(precision)
+    model, goals = build_model(config, rt, schema, input_shape)
+    return build_engine(config, rt, model, goals, preprocess), rt
+
+def _precision_to_measure(config: Config, rt) -> bool:
+    """``--precision=measure``, or ``auto`` chose bfloat16 for a CPU: measure whether it
+    pays for this model."""
+    if config.runtime.precision == "measure":
+        return True
+    return (config.runtime.precision == "auto" and rt.plan.precision == "mixed_bfloat16"
+            and rt.plan.reasons.get("precision", "").startswith("auto: this CPU"))
+
+def _measure_precision(config: Config, rt, schema, inputs, input_shape, num_train: int):
+    """Times a few steps of the job's model (its loss and metrics too) in float32 and in the
+    mixed policy on one real batch; returns the runtime with the faster policy set
+    (``autotune.choose_precision``). Logs each stage: tracing a large model takes a while."""
+    import keras
+    import tensorflow as tf
+
+    from tfspeed.data import pipeline
+    from tfspeed.tuning import autotune
+
+    data = config.data
+    if hasattr(inputs.train, "replica_batch"):
+        source = inputs.train
+    else:
+        plain = dataclasses.replace(inputs.configs[data.train_split], shuffle=False,
+                                    augment=(), cache="none")
+        held = next(iter(pipeline.build_from_config(plain, data.train_split, training=True,
+                                                    schema=schema)))
+        source = iter(rt.strategy.experimental_distribute_dataset(
+            tf.data.Dataset.from_tensors(held).repeat()))
+    candidate = rt.plan.precision
+    engines = {}
+    for policy in ("float32", candidate):
+        logging.info("precision probe: building and tracing the model in %s", policy)
+        engines[policy], _ = engine_at(config, rt, schema, input_shape, inputs.preprocess,
+                                       policy)
+    run_steps = config.train.train_steps * config.train.grad_accum_steps or (
+        config.train.epochs * (num_train // data.batch_size))
+    timed = autotune.time_steps(engines, source, agree=rt.mean_over_workers,
+                                run_steps=run_steps, progress=logging.info)
+    seconds = {policy: rt.mean_over_workers(t) for policy, t in timed.items()}
+    choice, why = autotune.choose_precision(candidate, seconds, config.runtime.precision)
+    keras.mixed_precision.set_global_policy(choice)
+    logging.info("--precision=%s", why)
+    return dataclasses.replace(rt, plan=dataclasses.replace(
+        rt.plan, precision=choice, loss_scale=choice == "mixed_float16",
+        reasons={**rt.plan.reasons, "precision": why}))
+
+@contextlib.contextmanager
+def data_errors(data_dir: str):
+    """Turns a data problem the user must fix, met by TensorFlow while reading, into one line
+    (a corrupt shard under --on_corrupt=fail, labels the schema disagrees with, a record that
+    does not parse)."""
+    import tensorflow as tf
+
+    from tfspeed.data import pipeline
+
+    try:
+        yield
+    except tf.errors.OpError as e:
+        message = pipeline.user_error(e)
+        if message is None and _PARSE_FAILURE in str(e.message):
+            message = (f"a record in {data_dir} has a valid checksum but does not parse as "
+                       f"this schema's tf.train.Example; repair with `python -m tfspeed.verify "
+                       f"{data_dir} --repair`")
+        if message is None:
+            raise
+        raise UsageError(message.removeprefix("tfspeed: ")) from None
+
+_PARSE_FAILURE = "Could not parse example input"
+
+def _wait_for_data(config: Config, timeout_s: float = 3600.0) -> float:
+    """On a worker that is not the chief: waits for the chief's ``--prepare_source``
+    conversion (two processes converting into one directory would collide)."""
+    import time
+
+    from tfspeed.data.schema import SCHEMA_FILE
+
+    path = os.path.join(config.data.data_dir, SCHEMA_FILE)
+    if not config.data.prepare_source or os.path.exists(path):
+        return 0.0
+    logging.info("waiting for the chief to convert %s into %s", config.data.prepare_source,
+                 config.data.data_dir)
+    start = time.monotonic()
+    while not os.path.exists(path):
+        if time.monotonic() - start > timeout_s:
+            raise UsageError(f"{path} did not appear within {timeout_s:.0f} s: the chief's "
+                             "conversion failed; see its log")
+        time.sleep(0.5)
+    return time.monotonic() - start
+
+def _check_batch(batch_size: int, num_train: int, replicas: int, split: str) -> None:
+    if batch_size > num_train:
+        raise UsageError(f"--batch_size={batch_size} is larger than the {num_train} records of "
+                         f"split {split!r}; lower --batch_size")
+    if batch_size % replicas:
+        raise UsageError(f"--batch_size={batch_size} does not split evenly over {replicas} "
+                         f"replicas; use a multiple of {replicas}")
+
+def _prepare_data(config: Config) -> float:
+    """Converts ``--prepare_source`` into the data dir if no finished conversion is there."""
+    from tfspeed.data.schema import SCHEMA_FILE
+
+    source = config.data.prepare_source
+    if not source or os.path.exists(os.path.join(config.data.data_dir, SCHEMA_FILE)):
+        return 0.0
+    from tfspeed.convert import convert
+
+    logging.info("converting %s into %s first", source, config.data.data_dir)
+    result = convert(source, config.data.data_dir, progress=sys.stdout.isatty())
+    return float(result.summary["seconds"])
+
+def _make_dir(path: str) -> None:
+    try:
+        os.makedirs(path, exist_ok=True)
+        probe = os.path.join(path, f".write-test-{os.getpid()}")  # two runs may probe at once
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.remove(probe)
+    except OSError as e:
+        raise UsageError(f"--model_dir={path} is not writable ({e.strerror}); pick another "
+                         "directory") from None

@@ -1,0 +1,288 @@
+"""Phase 1 of ``tfspeed.tune``: measuring the input and the step, in CPU time per element
+rather than wall time, since on a CPU host the input stages and the step share the cores.
+
+The pipeline cold (decoding every epoch, with each parse mode) and warm (from the memory
+cache), its read and decode stages alone, the decoded size of the split; and the step alone
+on a held batch, for every precision and XLA setting: a call's fixed overhead, a step's wall
+time and the CPU it keeps busy. ``measure_apart`` runs it all in a child process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import os
+import statistics
+import time
+
+from tfspeed.errors import UsageError
+from tfspeed.tuning.measurements import (
+    COLD,
+    InputKey,
+    InputStages,
+    InputTiming,
+    Measurements,
+    StepKey,
+    StepTiming,
+)
+from tfspeed.tuning.verify import Budget, variant
+
+MEASURE_SHARE = 0.55  # of the budget, at most, for measuring
+
+
+def measure_apart(flag_args: list[str], budget: Budget, tune_dir: str) -> Measurements:
+    """``measure`` in a process of its own (``python -m tfspeed.tune --measure_to``).
+
+    Its pipelines, engines and thread pools would otherwise stay in this one and slow the
+    verification runs down (measured: the digits job at 9.9k examples/s here after
+    measuring, 13.9k in a fresh process). What the child skipped for lack of time is added
+    to ``budget.skipped``.
+    """
+    import subprocess
+    import sys
+
+    path = os.path.join(tune_dir, "measurements.json")
+    args = [a for a in flag_args if not a.startswith(("--budget_s", "--measure_to", "--deadline"))]
+    share = max(MEASURE_SHARE * budget.left(), 1)  # the rest is for the runs that verify
+    done = subprocess.run([sys.executable, "-m", "tfspeed.tune", *args,
+                           f"--budget_s={share:.1f}", f"--deadline={time.time() + share:.3f}",
+                           f"--measure_to={path}"],
+                          capture_output=True, text=True)
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
+    if done.returncode == 2 and errors:
+        raise UsageError(errors[-1].removeprefix("error: "))
+    if done.returncode:
+        raise RuntimeError(f"measuring failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+    with open(path) as f:
+        found = json.load(f)
+    os.remove(path)
+    budget.skipped += found.pop("skipped")
+    return Measurements.from_json(found)
+
+
+def measure_into(path: str, config, budget: Budget, probe_dir: str) -> None:
+    """The child's side of ``measure_apart``: ``measure``, then its JSON (with what was
+    skipped) into ``path``."""
+    m = measure(config, budget, probe_dir)
+    with open(path, "w") as f:
+        json.dump({**m.to_json(), "skipped": budget.skipped}, f)
+
+
+def measure(config, budget: Budget, probe_dir: str) -> Measurements:
+    """Phase 1: the input's CPU per element, the split's size, the step alone."""
+    from tfspeed.data import ingraph, plan
+    from tfspeed.training import job as job_lib
+
+    host = variant(config, input_placement="host", cache="none", precision="float32",
+                   model_dir=probe_dir)
+    with job_lib.data_errors(config.data.data_dir):
+        job = job_lib.prepare(host)
+    try:
+        if job.runtime.num_workers > 1:
+            raise UsageError("tfspeed.tune tunes one process's job: run it without TF_CONFIG "
+                             "(the tuned flags then apply to every worker)")
+        data, schema = job.train_data_config, job.schema
+        split = data.train_split
+        size_mb = schema.split(split).num_records * plan.record_bytes(data, schema, split) / 2**20
+        ram_mb, ram_source = plan.ram_budget_mb(data)
+        try:
+            device_ok = ingraph.choose("device", data, schema, split).where == "device"
+        except UsageError:
+            device_ok = False
+        device_ok = device_ok and size_mb <= ram_mb
+        with job_lib.data_errors(config.data.data_dir):
+            inputs = _measure_input(job, budget, size_mb <= ram_mb)
+        steps, device_step = _measure_steps(config, job, budget, size_mb, inputs,
+                                            device_ok)
+    finally:
+        job.release()
+    step = {key: probe.figures() for key, probe in steps.items()}
+    first = next(iter(steps))
+    in_step = device_step.figures() if device_step else None
+    return Measurements(
+        batch_size=data.batch_size, cores=len(os.sched_getaffinity(0)),
+        steps_per_epoch=job.steps_per_epoch, size_mb=size_mb, ram_budget_mb=ram_mb,
+        ram_budget_source=ram_source, device_ok=device_ok and in_step is not None,
+        image_storage=_storage(schema), input=inputs.timings,
+        step=step, stages=inputs.stages, parses=inputs.parses, caches=inputs.caches,
+        objectives=steps[first].engine.objectives.report,  # what the timed steps trained
+        device_step_ratio=in_step.step_s / step[first].step_s if in_step else 1.0,
+        device_step=in_step)
+
+
+def _storage(schema) -> str:
+    feature = schema.input_feature
+    return feature.encoding if feature.is_image or feature.encoding == "raw" else ""
+
+
+# ------------------------------------------------------------------ the input
+
+
+@dataclasses.dataclass(frozen=True)
+class _InputFindings:
+    timings: dict[InputKey, InputTiming]
+    stages: InputStages
+    parses: tuple[str, ...]
+    caches: tuple[str, ...]
+
+
+def _measure_input(job, budget: Budget, fits: bool) -> _InputFindings:
+    """CPU-seconds per element of the pipeline cold (each parse mode), warm, and by stage."""
+    from tfspeed.data import pipeline
+
+    base = dataclasses.replace(job.train_data_config, cache="none", parse="batched",
+                               input_threads=0)
+    schema, split = job.schema, base.train_split
+    records, batch = schema.split(split).num_records, base.batch_size
+
+    def timed(cfg, until=None, warmup=2, seconds=1.0) -> InputTiming:
+        ds = pipeline.build_from_config(cfg, split, training=True, schema=schema, until=until)
+        if until not in (None, "batch"):
+            ds = ds.repeat().batch(batch)
+        return _cpu_per_element(iter(ds), batch, warmup, seconds)
+
+    timings = {COLD: timed(base)}
+    parses, caches = ["batched"], ["none"]
+    if schema.input_feature.is_image and budget.allows(3, "the per-record parse"):
+        timings[InputKey("none", "single")] = timed(dataclasses.replace(base, parse="single"))
+        parses.append("single")
+    read = timed(base, "read", seconds=0.5).cpu_s
+    decode = max(timed(base, "decode", seconds=0.5).cpu_s - read, 0.0)
+    fill = job.steps_per_epoch + 2  # the first epoch fills the cache
+    cached = "memory" if fits else "disk"
+    cold_s = timings[COLD].wall_s * records
+    if budget.allows(cold_s + 3, f"the {cached} cache (filling it takes an epoch)"):
+        timings[InputKey(cached)] = timed(dataclasses.replace(base, cache=cached), warmup=fill)
+        caches.append(cached)
+    warm = timings.get(InputKey(cached))
+    return _InputFindings(timings, InputStages(read, decode, warm.cpu_s if warm else None),
+                          tuple(parses), tuple(caches))
+
+
+def _cpu_per_element(iterator, batch: int, warmup: int, seconds: float = 1.0) -> InputTiming:
+    """CPU- and wall-seconds per element over at least ``seconds`` (after ``warmup``)."""
+    for _ in range(warmup):
+        next(iterator)
+    cpu, wall, n = time.process_time(), time.perf_counter(), 0
+    while n < 8 or time.perf_counter() - wall < seconds:
+        next(iterator)
+        n += 1
+    elements = n * batch
+    return InputTiming(cpu_s=(time.process_time() - cpu) / elements,
+                       wall_s=(time.perf_counter() - wall) / elements)
+
+
+# ------------------------------------------------------------------ the step
+
+
+def _measure_steps(config, job, budget: Budget, size_mb: float, inputs: _InputFindings,
+                   device_ok: bool) -> tuple[dict[StepKey, _Probe], _Probe | None]:
+    """The step alone at each precision and XLA setting the budget allows, and (where the
+    split may be held in the step) the step with it, all timed in interleaved rounds.
+
+    Returns:
+      The probes by setting, the first being the hardware's own choice; and the in-step
+      probe, or None where it was not measured.
+    """
+    import tensorflow as tf
+
+    from tfspeed import runtime
+    from tfspeed.data import ingraph, job_input
+
+    hw_precision = runtime.resolve(dataclasses.replace(config.runtime, precision="auto"),
+                                   runtime.detect_hardware()).precision
+    # The hardware's own choice first (always: the model needs one step measured),
+    # then the others as time allows, XLA last (compiling costs most).
+    precisions = sorted({"float32", hw_precision}, key=lambda p: p != hw_precision)
+    gpu = bool(tf.config.list_logical_devices("GPU"))
+    xlas = ["on"] if gpu else ["off", "on"]  # on a GPU XLA is the measured default
+    held = _held_batches(job)
+    probes, cost = {}, 0.0
+    for xla, precision in itertools.product(xlas, precisions):
+        if cost and not budget.allows(cost * (2 if xla == "on" else 1),
+                                      f"the step at {precision}, xla={xla}"):
+            continue
+        start = time.perf_counter()
+        probes[StepKey(precision, xla)] = _probe(job, held, precision, xla)
+        cost = cost or 2 * (time.perf_counter() - start)  # building, then timing
+    first = next(iter(probes))
+    in_step = None
+    load_s = size_mb / 50 + inputs.timings[COLD].wall_s * job.num_train
+    if device_ok and budget.allows(cost / 2 + load_s, "the step with the split held in it"):
+        # The split held in the step, gathered and augmented there: the same model and
+        # precision as the first, timed in the same rounds as the others.
+        data = job.train_data_config
+        source = ingraph.load(data, job.schema, data.train_split,
+                              global_batch_size=data.batch_size, device=job_input.device())
+        in_step = _probe(job, source, first.precision, first.xla)
+    _time_interleaved([*probes.values(), *([in_step] if in_step else [])])
+    return probes, in_step
+
+
+def _held_batches(job):
+    """One real batch, repeated: the step alone, with no input work."""
+    import tensorflow as tf
+
+    from tfspeed.data import pipeline
+
+    plain = dataclasses.replace(job.train_data_config, shuffle=False, augment=(), cache="none")
+    held = next(iter(pipeline.build_from_config(plain, plain.train_split, training=True,
+                                                schema=job.schema)))
+    return iter(job.runtime.strategy.experimental_distribute_dataset(
+        tf.data.Dataset.from_tensors(held).repeat()))
+
+
+@dataclasses.dataclass
+class _Probe:
+    """One precision/XLA setting's engine, ready to time: calls of ``n`` steps (~50 ms)."""
+
+    engine: object
+    source: object
+    n: int
+    overhead: float
+    walls: list
+    cpus: list
+
+    def call(self) -> None:
+        cpu, start = time.process_time(), time.perf_counter()
+        self.engine.train(self.source, self.n)["loss"].numpy()
+        self.walls.append(time.perf_counter() - start)
+        self.cpus.append(time.process_time() - cpu)
+
+    def figures(self) -> StepTiming:
+        """The fastest call: on a shared machine noise only ever adds time."""
+        fastest = min(range(len(self.walls)), key=self.walls.__getitem__)
+        return StepTiming(overhead_s=self.overhead,
+                          step_s=max(self.walls[fastest] - self.overhead, 1e-7) / self.n,
+                          cpu_per_step_s=self.cpus[fastest] / self.n, steps_timed=self.n)
+
+
+def _probe(job, source, precision: str, xla: str) -> _Probe:
+    """Builds the model and engine at ``precision``/``xla``, traces it, and measures a call's
+    fixed overhead (calls of 0 steps)."""
+    from tfspeed.training import job as job_lib
+
+    engine, _ = job_lib.engine_at(job.config, job.runtime, job.schema, job.input_shape,
+                                  job.preprocess, precision, xla=xla == "on")
+    engine.train(source, 1)["loss"].numpy()  # traces
+    start = time.perf_counter()
+    engine.train(source, 1)["loss"].numpy()
+    one = time.perf_counter() - start
+    empty = []
+    for _ in range(5):
+        start = time.perf_counter()
+        engine.train(source, 0)
+        empty.append(time.perf_counter() - start)
+    overhead = statistics.median(empty)
+    n = int(min(max(round(0.05 / max(one - overhead, 1e-6)), 1), 512))
+    return _Probe(engine, source, n, overhead, [], [])
+
+
+def _time_interleaved(probes, rounds: int = 3) -> None:
+    """Each probe's calls, taking turns: the machine's noise spreads over all of them, and
+    the first measured is not the one a busy moment hits."""
+    probes = list(probes)
+    for _ in range(rounds):
+        for probe in probes:
+            probe.call()

@@ -1,0 +1,252 @@
+"""What ``tfspeed.tune`` leaves behind: ``tuned.flags`` (the original flags nested, paths made
+absolute, then each changed flag with its measured reason), ``tune.json`` (every candidate),
+``tune.png``, the report lines it prints, and the reconversion it only recommends.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+from tfspeed.tuning.measurements import COLD, InputKey, InputTiming, Measurements
+from tfspeed.tuning.predict import Candidate, predict
+from tfspeed.tuning.verify import Budget
+from tfspeed.util import charts
+
+_PATH_FLAGS = ("flagfile", "data_dir", "model_dir")
+_TUNE_FLAGS = ("--budget_s", "--tune_dir", "--verify", "--measure_to")  # not the job's
+
+
+def write_outputs(tune_dir: str, config, flag_args: list[str], m: Measurements,
+                  ranked: list[dict], chosen: dict, user: dict, budget: Budget,
+                  keep_user: bool) -> dict:
+    """``tuned.flags``, ``tune.json`` and ``tune.png`` into ``tune_dir``; prints the report.
+
+    Returns:
+      What ``tune.json`` holds, with the chart's path added.
+    """
+    result = _result(m, ranked, chosen, user, budget, keep_user)
+    result["reconvert"] = recommend_storage(config, m, chosen)
+    result["tuned_flags"] = write_flags(os.path.join(tune_dir, "tuned.flags"), flag_args,
+                                        config, None if keep_user else chosen, user, m)
+    with open(os.path.join(tune_dir, "tune.json"), "w") as f:
+        json.dump({**result, "measurements": m.to_json()}, f, indent=2, default=str)
+    result["chart"] = chart(result, os.path.join(tune_dir, "tune.png"))
+    for line in report_lines(result, m):
+        print(line)
+    return result
+
+
+def _result(m: Measurements, ranked, chosen, user, budget: Budget, keep_user: bool) -> dict:
+    def row(r):
+        return {"flags": r["candidate"].flags(), "label": r["candidate"].label(),
+                "predicted": round(r["examples_per_sec"], 1), "bound": r["bound"],
+                "step_ms": round(r["step_ms"], 3), "input_cpu_ms": round(r["input_cpu_ms"], 3),
+                **({"measured": r["measured"]} if "measured" in r else {})}
+
+    best = user if keep_user else chosen
+    measured = best["measured"]["examples_per_sec"]
+    predicted = best.get("predicted") if keep_user else chosen["examples_per_sec"]
+    return {
+        "measurements": m,
+        "candidates": [row(r) for r in ranked],
+        "chosen": {"label": "your flags", **user} if keep_user else row(chosen),
+        "kept_your_flags": keep_user,
+        "examples_per_sec": measured,
+        "predicted": predicted,
+        "prediction_error": abs(predicted - measured) / measured if predicted else None,
+        "user": user.get("measured"),
+        "user_predicted": user.get("predicted"),
+        "vs_user": measured / user["measured"]["examples_per_sec"] if "measured" in user
+        else None,
+        "skipped": budget.skipped,
+        "seconds": round(budget.used(), 1),
+        "budget_s": budget.seconds,
+    }
+
+
+def recommend_storage(config, m: Measurements, chosen: dict) -> dict | None:
+    """Raw storage at the training size, where images are decoded every epoch: the command
+    and its predicted gain (never run here)."""
+    from tfspeed.data import schema as schema_lib
+
+    if m.image_storage not in ("jpeg", "png") or not config.data.image_size:
+        return None
+    schema = schema_lib.read(config.data.data_dir)
+    cold = m.input[COLD]
+    raw = max(cold.cpu_s - m.stages.decode, 0.0)  # decoding gone; reading 150 KB is ~free
+    c = dataclasses.replace(chosen["candidate"], input_placement="host", cache="none",
+                            parse="batched")
+    now = predict(c, m)["examples_per_sec"]
+    stored_raw = {**m.input, COLD: InputTiming(cpu_s=raw, wall_s=cold.wall_s)}
+    after = predict(c, dataclasses.replace(m, input=stored_raw))
+    size = config.data.image_size
+    return {
+        "command": f"python scripts/to_tfrecord.py --source={schema.source} "
+                   f"--output={config.data.data_dir.rstrip('/')}-{size}px "
+                   f"--image_size={size} --image_format=raw",
+        "predicted_gain_uncached": after["examples_per_sec"] / now,
+        "when": "every epoch without a cache; with one, only the first epoch",
+    }
+
+
+def write_flags(path: str, flag_args: list[str], config, chosen: dict | None, user: dict,
+                m: Measurements | None) -> dict:
+    """``tuned.flags``: the original flags, then each changed flag with its reason.
+
+    Args:
+      chosen: the winning entry, or None where the user's flags stay (nothing changes;
+        ``m`` is then not needed).
+
+    Returns:
+      ``{"path": path, "changed": {flag: value}}``.
+    """
+    resolved = (user.get("measured") or {}).get("resolved", {})
+    changed = _changed(chosen["candidate"], config, resolved) if chosen is not None else {}
+    measured = (chosen or user)["measured"]["examples_per_sec"]
+    head = f"# python -m tfspeed.tune: {measured:,.0f} examples/s measured with these flags"
+    if chosen is None:
+        head += "; no candidate beat the original flags, nothing changed"
+    elif "measured" in user:
+        head += (f", {measured / user['measured']['examples_per_sec']:.2f}x the original's "
+                 f"{user['measured']['examples_per_sec']:,.0f} (predicted "
+                 f"{chosen['examples_per_sec']:,.0f})")
+    lines = [head, *(_absolute(a) for a in flag_args
+                     if a.startswith("--") and not a.startswith(_TUNE_FLAGS))]
+    # A nested flagfile's own relative paths resolve from where the tune ran: pin them, so
+    # the tuned flags train the same job from any directory.
+    given = {a[2:].partition("=")[0] for a in flag_args}
+    pinned = [f"--{name}={value}" for name, value in _resolved_paths(config)
+              if name not in given]
+    if pinned:
+        lines += [f"# paths resolved from {os.getcwd()}, so these flags work from anywhere",
+                  *pinned]
+    for name, value in changed.items():
+        lines.append(f"# {reason(name, str(value), chosen['candidate'], m)}")
+        lines.append(f"--{name}={value}")
+    with open(path + ".tmp", "w") as f:
+        f.write("\n".join(lines) + "\n")
+    os.replace(path + ".tmp", path)
+    return {"path": path, "changed": changed}
+
+
+def _changed(c: Candidate, config, resolved: dict) -> dict:
+    """``c``'s knobs that differ from what the user's flags give (or resolved to, for
+    ``auto`` and 0), leaving out those that do not apply to ``c``."""
+    given = {"input_placement": config.data.input_placement, "cache": config.data.cache,
+             "parse": config.data.parse, "input_threads": config.data.input_threads,
+             "precision": config.runtime.precision, "xla": config.runtime.xla,
+             "steps_per_execution": config.train.steps_per_execution}
+    changed = {}
+    for name, value in dataclasses.asdict(c).items():
+        if c.input_placement == "device" and name in ("cache", "parse", "input_threads"):
+            continue  # the split is read once, into the step
+        if name == "parse" and c.cache != "none":
+            continue  # parsing happens once, before the cache
+        now = resolved.get(name, given[name]) if given[name] in ("auto", 0) else given[name]
+        if str(now) != str(value):
+            changed[name] = value
+    return changed
+
+
+def _absolute(arg: str) -> str:
+    """``--flag=path`` with the path made absolute, for the flags that name paths."""
+    name, _, value = arg[2:].partition("=")
+    if name in _PATH_FLAGS and value:
+        return f"--{name}={os.path.abspath(value)}"
+    if name == "prepare_source" and value:
+        return f"--{name}={_absolute_source(value)}"
+    return arg
+
+
+def _absolute_source(spec: str) -> str:
+    """``KIND:PATH`` with PATH absolute (``digits``, ``tfds:NAME`` as they are)."""
+    kind, sep, path = spec.partition(":")
+    return f"{kind}:{os.path.abspath(path)}" if sep and kind != "tfds" else spec
+
+
+def _resolved_paths(config) -> list[tuple[str, str]]:
+    """The job's paths, absolute: what its flags (nested flagfiles too) resolved to here."""
+    paths = [("data_dir", os.path.abspath(config.data.data_dir)),
+             ("model_dir", os.path.abspath(config.model_dir))]
+    if config.data.prepare_source:
+        paths.append(("prepare_source", _absolute_source(config.data.prepare_source)))
+    return paths
+
+
+def reason(name: str, value: str, c: Candidate, m: Measurements) -> str:
+    """One line of measured figures behind one changed flag."""
+    cold = m.input[COLD].cpu_s * m.batch_size * 1000
+    if name == "input_placement" and value == "device":
+        return (f"the decoded split ({m.size_mb:,.1f} MB) fits the {m.ram_budget_mb:,.0f}"
+                f" MB budget; held in the step it needs no input work, through tf.data it "
+                f"costs {cold:.2f} CPU-ms per batch decoded")
+    if name == "input_placement":
+        return "tf.data measured faster than holding the split in the step"
+    if name == "cache" and value == "none":
+        return (f"decoding costs {cold:.2f} CPU-ms per batch: a cache measured no faster "
+                "(its fill and per-element bookkeeping cost as much)")
+    if name == "cache":
+        warm = m.input.get(InputKey(value))
+        warm_ms = (warm.cpu_s if warm else 0) * m.batch_size * 1000
+        return (f"input costs {cold:.2f} CPU-ms per batch decoded, {warm_ms:.2f} from the "
+                f"{value} cache; the split takes {m.size_mb:,.1f} MB of "
+                f"{m.ram_budget_mb:,.0f}")
+    if name == "parse":
+        single = m.input[InputKey("none", "single")].cpu_s * m.batch_size * 1000
+        return f"parsing costs {cold:.2f} CPU-ms per batch batched, {single:.2f} one by one"
+    if name == "input_threads":
+        return (f"input capped at {value} of {m.cores} cores measured faster: the step "
+                "keeps the rest")
+    if name in ("precision", "xla"):
+        figures = ", ".join(f"{k}: {1000 * v.step_s:.2f} ms" for k, v in m.step.items())
+        return f"the step alone per precision/xla: {figures}"
+    s = m.step[c.step_key]
+    return (f"a call costs {1000 * s.overhead_s:.2f} ms besides its steps of "
+            f"{1000 * s.step_s:.3f} ms: {value} steps per call keep that under 2%")
+
+
+def report_lines(result: dict, m: Measurements) -> list[str]:
+    """What the command prints: the measurements, the verified candidates, the choice."""
+    cached = "".join(f", {1e6 * m.input[InputKey(k)].cpu_s:.1f} from the {k} cache"
+                     for k in ("memory", "disk") if InputKey(k) in m.input)
+    lines = [f"tfspeed tune ({result['seconds']:.0f} s of a {result['budget_s']:.0f} s "
+             f"budget, {m.cores} cores, batch {m.batch_size})",
+             f"  input: {1e6 * m.input[COLD].cpu_s:.1f} CPU-µs per example decoded" + cached +
+             f"; split {m.size_mb:,.1f} MB decoded",
+             "  step alone: " + ", ".join(f"{k} {1000 * v.step_s:.2f} ms + "
+                                          f"{1000 * v.overhead_s:.2f} ms per call"
+                                          for k, v in m.step.items()),
+             f"  {'candidate':<58} {'predicted':>10} {'measured':>10}"]
+    if result["user"]:
+        lines.append(f"  {'your flags':<58} {'':>10} "
+                     f"{result['user']['examples_per_sec']:>10,.0f}")
+    for r in (r for r in result["candidates"] if "measured" in r):
+        mark = "*" if r["label"] == result["chosen"]["label"] else " "
+        lines.append(f" {mark}{r['label']:<58} {r['predicted']:>10,.0f} "
+                     f"{r['measured']['examples_per_sec']:>10,.0f}")
+    vs = f", {result['vs_user']:.2f}x your flags" if result["vs_user"] else ""
+    lines.append(f"chosen: {result['chosen']['label']}{vs} (prediction error "
+                 f"{100 * result['prediction_error']:.0f}%)")
+    if result["reconvert"]:
+        r = result["reconvert"]
+        lines.append(f"reconvert (not done; {r['when']}): {r['command']}  [predicted "
+                     f"{r['predicted_gain_uncached']:.2f}x uncached]")
+    for s in result["skipped"]:
+        lines.append(f"skipped for lack of time: {s}")
+    lines.append(f"train with: python -m tfspeed.train --flagfile={result['tuned_flags']['path']}")
+    return lines
+
+
+def chart(result: dict, path: str) -> str:
+    """Predicted against measured examples/s of the verified candidates, as a PNG."""
+    shown = [r for r in result["candidates"] if "measured" in r]
+    user = result["user"]
+    bars = charts.Panel(
+        labels=[r["label"] for r in shown],
+        series={"predicted": [r["predicted"] for r in shown],
+                "measured": [r["measured"]["examples_per_sec"] for r in shown]},
+        value_label="examples/s", font_size=7,
+        reference=("your flags", user["examples_per_sec"]) if user else None)
+    return charts.bar_chart(path, [bars], size=(9, 1.2 + 0.5 * len(shown)))
