@@ -25,7 +25,8 @@ if not _has_tensorflow():
 __version__ = "0.1.0"
 
 # Before TensorFlow makes its CPU allocator: a BFC pool where it would use malloc (see
-# tfspeed.runtime.hostmem; 1.3-4.1x faster decoding input pipelines on CPUs without oneDNN's pool).
+# tfspeed.runtime.hostmem): decoding input pipelines run faster on CPUs without oneDNN's pool
+# (measured by benchmarks/host_allocator.py).
 from tfspeed.runtime import hostmem as _hostmem  # noqa: E402
 
 _hostmem.apply()

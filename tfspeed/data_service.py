@@ -151,7 +151,7 @@ def supervise(dispatcher_address: str, port: int, host: str) -> None:
 def run_main() -> None:
     if "worker" in sys.argv[1:2] and "--nosupervise" not in sys.argv:
         # The supervisor only starts and watches the server process: no TensorFlow here
-        # (saves seconds and ~0.5 GB per worker host).
+        # (saves seconds and memory per worker host).
         sys.exit(exit_on_usage_error(lambda: app.run(main)))
     main_entry(lambda: app.run(main))
 

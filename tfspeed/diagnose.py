@@ -2,14 +2,7 @@
 
 A command only: flags -> ``tfspeed.diagnosis.run.run(config, options)``.
 
-Same flags as ``tfspeed.train``. After a warm-up, it measures for a bounded number of steps:
-  (a) the input pipeline alone (examples/s),
-  (b) the model's real training step alone on one batch held in memory
-      (``Dataset.from_tensors(batch).repeat()``: the compute ceiling),
-  (c) both together (examples/s, and the share of step time spent waiting for input),
-  (d) a profile of (c), read with xprof,
-plus the time each pipeline stage adds and peak memory. From these it gives a verdict —
-input-bound, compute-bound or memory-bound — and next steps ranked by expected gain.
+Same flags as ``tfspeed.train``; what it measures and how: ``tfspeed.diagnosis.measure``.
 Writes ``MODEL_DIR/diagnose/diagnose.json`` and ``diagnose.png``.
 """
 

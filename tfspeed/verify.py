@@ -29,6 +29,7 @@ if __name__ == "__main__":
 from tfspeed.data import integrity  # noqa: E402
 from tfspeed.data import schema as schema_lib  # noqa: E402
 from tfspeed.errors import UsageError  # noqa: E402
+from tfspeed.util.files import write_bytes_atomic  # noqa: E402
 
 QUARANTINE_DIR = "quarantine"
 _PARSE_BATCH = 256
@@ -126,7 +127,7 @@ def repair_shard(data_dir: str, check: ShardCheck) -> schema_lib.Shard:
             buf = f.read()
         _quarantine(data_dir, check.shard.file, buf, check.bad)
     content = b"".join(integrity.frame(r.data) for r in check.records)
-    _write_atomic(path, content)
+    write_bytes_atomic(path, content)
     return schema_lib.Shard(
         check.shard.file, len(check.records), len(content), hashlib.sha256(content).hexdigest()
     )
@@ -156,15 +157,6 @@ def _quarantine(data_dir: str, file: str, buf: bytes, bad: list[integrity.BadSpa
         f.flush()
         os.fsync(f.fileno())
     schema_lib.write_json_atomic(sidecar, {"shard": file, "spans": entries})
-
-
-def _write_atomic(path: str, content: bytes) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(content)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def _update_schema(data_dir: str, repaired: list[tuple[ShardCheck, schema_lib.Shard]]) -> None:

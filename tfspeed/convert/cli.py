@@ -279,7 +279,7 @@ def _text_counts(summary: dict) -> str:
 def convert_main() -> None:
     """``tfspeed-convert`` / ``scripts/to_tfrecord.py``: the converter's CLI.
 
-    It starts without TensorFlow (~2-3 s and ~0.5 GB saved): shards are written without it,
+    It starts without TensorFlow (seconds and memory saved): shards are written without it,
     and only a ``tfds:`` source imports it, quietly, when opened.
     """
     # The converter does no TF math: a TFDS worker that imports TF then starts without the

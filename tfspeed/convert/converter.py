@@ -27,6 +27,7 @@ from tfspeed.convert.sources import lengths
 from tfspeed.data.schema import Schema, Split, names_of
 from tfspeed.errors import UsageError
 from tfspeed.util import locks
+from tfspeed.util.files import write_bytes_atomic
 
 # Bump when the records a given source and options produce change: old outputs then no
 # longer count as "already converted".
@@ -131,8 +132,8 @@ def convert(
     _check_tables(source, options)
     shard_runner = runners.make_runner(runner, workers=workers, beam_options=beam_options)
     # Before the storage probe decodes its first images: with glibc's default thresholds each
-    # fresh 0.15-0.6 MB array is mapped and faulted in anew, and the probe's 32 images took
-    # 3.7 ms each to resize instead of 0.9 (see `writer.keep_freed_memory`).
+    # fresh 0.15-0.6 MB array is mapped and faulted in anew, which slowed the probe's
+    # resizes several-fold (measured once, not benchmarked; see `writer.keep_freed_memory`).
     writer.keep_freed_memory()
     # Worker processes start now: their start-up overlaps with listing and measuring.
     with shard_runner.started(shards or writer.MIN_SHARDS):
@@ -423,13 +424,7 @@ def _check_images(source: str, src: sources.Source, o: sources.SourceOptions) ->
 def _save_files(output: str, files: dict[str, bytes]) -> None:
     """Saves a source's files (a text source's tokeniser) beside the shards, atomically."""
     for name, data in files.items():
-        path = os.path.join(output, name)
-        tmp = f"{path}.tmp-{os.getpid()}"
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        write_bytes_atomic(os.path.join(output, name), data)
 
 
 def _make_dir(output: str) -> None:

@@ -1,6 +1,6 @@
 """``tf.train.Example`` records without TensorFlow: the same bytes, built with ``protobuf`` alone.
 
-A process that writes shards must not import TensorFlow: that costs 3-5 s and ~0.5 GB per
+A process that writes shards must not import TensorFlow: that costs seconds and memory per
 spawned worker, and made conversion slower with more workers. The messages are declared here
 from TF's ``tensorflow/core/example/{feature,example}.proto`` (proto3: float and int64 lists
 packed), in a private descriptor pool so they never clash with TF's own classes when both are

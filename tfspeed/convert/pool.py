@@ -1,8 +1,8 @@
 """Writes many shards at once: this process and worker processes, side by side.
 
 This process writes shards too, from the first moment. Workers are forked where that is safe
-(`start_method`: ready at once), else spawned: those take 0.3-0.8 s to start (Python, numpy,
-PIL, protobuf; never TensorFlow). A feeder thread hands the tasks
+(`start_method`: ready at once), else spawned: those start Python and import numpy, PIL and
+protobuf first (never TensorFlow). A feeder thread hands the tasks
 left to the workers, one at a time, so whoever is free takes the next shard and a worker
 that started late simply writes fewer. Results reach the caller in this (main) thread only,
 between this process's own shards and at the end.
@@ -46,11 +46,11 @@ def start_method() -> str:
     """How worker processes start: ``fork`` where that is safe, else ``spawn``.
 
     A forked worker is ready at once, with the converter's modules already imported; a
-    spawned one first starts Python and imports them (0.15-0.3 s of CPU on 2 cores), and
-    with the storage probe now that short, the workers' start-up was what the first shards
-    waited for. Forking is safe only from a process with one thread and no TensorFlow (whose
-    thread pools and locks a fork would copy half-held; the command line imports none), and
-    only on Linux (macOS' system libraries are not fork-safe).
+    spawned one first starts Python and imports them, and with the storage probe now that
+    short, the workers' start-up was what the first shards waited for. Forking is safe only
+    from a process with one thread and no TensorFlow (whose thread pools and locks a fork
+    would copy half-held; the command line imports none), and only on Linux (macOS' system
+    libraries are not fork-safe).
     """
     safe = (sys.platform.startswith("linux") and "tensorflow" not in sys.modules
             and threading.active_count() == 1)

@@ -7,7 +7,7 @@ dataset's raw size fits ``--raw_budget_mb`` (default: `RAW_BUDGET_FRACTION` of t
 RAM, so that it stays in the page cache from the second epoch on); JPEG at quality
 `JPEG_QUALITY` otherwise.
 
-The measurement (well under 1 s) takes `PROBE_IMAGES` images of the train split as they would
+The measurement takes `PROBE_IMAGES` images of the train split as they would
 be stored, then times
   * decoding their JPEGs with libjpeg-turbo's fast integer DCT, the decoder and method
     ``tf.io.decode_jpeg`` uses by default (best of 3 passes), against

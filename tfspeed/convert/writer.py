@@ -7,7 +7,8 @@ runner (`tfspeed.convert.runners`); every runner records each finished shard in 
 
 Writing imports no TensorFlow: records are ``tf.train.Example`` bytes built with protobuf
 (`tfspeed.convert.example`) and framed in Python (`tfspeed.data.integrity.frame`). Importing
-TF cost each spawned worker 3-5 s, which made more workers and more shards slower.
+TF cost each spawned worker seconds, which made more workers and more shards slower
+(``benchmarks/conversion.py`` times the converter across workers and shards).
 """
 
 from __future__ import annotations
@@ -150,10 +151,11 @@ def keep_freed_memory() -> None:
 
     Each image passes through arrays of 0.15-0.6 MB. In a fresh worker process glibc maps
     and unmaps blocks that size (or trims the heap under them) for every image, so every
-    image faults in its memory anew: 14x the page faults and 2 s of system time per 600
-    photos at --image_size=224, which made two workers slower than one. (The converting
-    process itself got there by chance: freeing a large block, like the storage probe's, raises
-    glibc's dynamic thresholds.) Not glibc: nothing to do.
+    image faults in its memory anew: many times the page faults and system time at
+    --image_size=224, which made two workers slower than one (``benchmarks/conversion.py``
+    times 1, 2, 4... workers at that size). (The converting process itself got there by
+    chance: freeing a large block, like the storage probe's, raises glibc's dynamic
+    thresholds.) Not glibc: nothing to do.
     """
     try:
         libc = ctypes.CDLL("libc.so.6")

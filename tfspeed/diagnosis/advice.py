@@ -91,7 +91,7 @@ def _input_steps(config, schema, figures: dict) -> list[dict]:
     steps = []
     decoded_gb = _decoded_gb(schema, data)
     if figures["memory"].get("host_allocator") == "malloc":
-        # benchmarks/host_allocator.py: decoding tf.data pipelines 1.3-4.1x faster with the pool.
+        # Decoding tf.data pipelines run faster with the pool (benchmarks/host_allocator.py).
         score, gain = _speedup(0.3, ceiling)
         steps.append(_step(
             "TensorFlow allocates host memory with malloc here (oneDNN off), ~150 page faults "

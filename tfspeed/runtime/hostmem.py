@@ -6,11 +6,11 @@ only on CPUs with AVX512_VNNI, AVX512_BF16, AVX_VNNI or AMX (Cascade Lake, Zen 4
 ``DefaultOneDnnPolicy`` in tensorflow/core/util/port.cc). Skylake and older, Zen 1-3 (many GPU
 hosts among them), and any process run with ``TF_ENABLE_ONEDNN_OPTS=0`` get malloc. There,
 every decoded photo, resize buffer and float batch is a fresh allocation of 0.1-40 MB whose
-pages are faulted in anew. Measured on real photos with oneDNN off (``benchmarks/host_allocator.py``):
-~150 page faults and ~0.4 ms of kernel time per photo, and input pipelines that decode,
-resize or cast, tfspeed's and the plain tf.data ones alike, 1.3-4.1x slower than with
+pages are faulted in anew, in kernel time on every photo. Input pipelines that decode,
+resize or cast, tfspeed's and the plain tf.data ones alike, then run slower than with
 TensorFlow's own BFC allocator (``TF_CPU_ALLOCATOR_USE_BFC``); uint8 batches from a cache,
-which allocate little, 0.95-1.11x.
+which allocate little, gain least. ``benchmarks/host_allocator.py`` measures both, on real
+photos with oneDNN off.
 
 TensorFlow reads that variable once, when it makes its CPU allocator (at the first tensor), so
 ``import tfspeed`` sets it where it helps (``apply``), before that. A user's own setting wins.

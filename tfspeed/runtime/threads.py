@@ -2,19 +2,19 @@
 
 TensorFlow's default, one thread per core, hands every op's pieces to other threads and
 waits for them. For a tiny model each op is a few microseconds of work and the hand-off
-costs more than it saves. Measured on this 2-core machine (the engine on in-graph data,
-``benchmarks/train_step.py``), with ops on one thread each (two ops still run at once on
-the inter-op pool):
+costs more than it saves. With ops on one thread each (two ops still run at once on the
+inter-op pool), measured once on a 2-core machine with the engine on in-graph data (not
+benchmarked; ``benchmarks/train_step.py`` measures the first row: ``ceiling_1thread``):
 
   ======================================  ==================  ==================
   model, batch                            forward MFLOP/step  one thread vs TF's
   ======================================  ==================  ==================
-  256-256 MLP on the digits, 32           5.6                 1.20-1.26x
-  the same, 64                            11                  1.26x
-  the same, 128                           22                  0.81-1.06x
-  the same, 256                           44                  0.87x
-  the digits CNN, 64                      192                 0.86-0.99x
-  the CNN on 32 px photos, 64             3,100               0.76x
+  256-256 MLP on the digits, 32           5.6                 faster
+  the same, 64                            11                  faster
+  the same, 128                           22                  about even
+  the same, 256                           44                  slower
+  the digits CNN, 64                      192                 slower
+  the CNN on 32 px photos, 64             3,100               slower
   ======================================  ==================  ==================
 
 The setting is process-wide and fixed once TensorFlow's runtime starts, so ``auto``

@@ -229,8 +229,8 @@ class Checkpoints:
         """Raises ``LossDiverged`` if a loss since the start, or (``weights``) any weight, is
         NaN/Inf.
 
-        One host sync; called at log points (the loss only: scanning every weight there took
-        ~2 ms, 3% of a tiny model's log window) and before each save (the weights too: a
+        One host sync; called at log points (the loss only: scanning every weight there cost
+        a visible share of a tiny model's log window) and before each save (the weights too: a
         checkpoint never holds a diverged state), never per step.
         """
         step, loss = (t.numpy() for t in self.engine.first_nonfinite_loss)

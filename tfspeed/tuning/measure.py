@@ -35,9 +35,8 @@ def measure_apart(flag_args: list[str], budget: Budget, tune_dir: str) -> Measur
     """``measure`` in a process of its own (``python -m tfspeed.tune --measure_to``).
 
     Its pipelines, engines and thread pools would otherwise stay in this one and slow the
-    verification runs down (measured: the digits job at 9.9k examples/s here after
-    measuring, 13.9k in a fresh process). What the child skipped for lack of time is added
-    to ``budget.skipped``.
+    verification runs down (measured once on 2 cores, not benchmarked). What the child
+    skipped for lack of time is added to ``budget.skipped``.
     """
     import subprocess
     import sys

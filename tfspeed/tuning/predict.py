@@ -82,7 +82,7 @@ def rank(m: Measurements) -> list[dict]:
 
     Where predictions tie (the step or the cores bound both), fewer tf.data threads come
     first: threads the input does not need only wake up and preempt a step that keeps every
-    core busy. The benchmark's grids measured one thread 1.02-1.3x faster than all cores with
+    core busy. ``benchmarks/tune.py``'s grids measured one thread faster than all cores with
     a cached input on each of its three workloads.
 
     Returns:

@@ -123,8 +123,8 @@ def verify(config, c: Candidate | None, run_dir: str, plan: RunPlan) -> dict:
         report = train_run(run_config)
     seconds = time.perf_counter() - start
     # A run leaves its model, compiled steps and pipelines behind in Keras' global state and
-    # in reference cycles: twelve runs of one digits job in one process slowed from 19k to
-    # 15.5k examples/s without this, and held 17-19k with it.
+    # in reference cycles: repeated runs of one digits job in one process slowed down without
+    # this, and held their speed with it (measured once on 2 cores, not benchmarked).
     keras.backend.clear_session()
     gc.collect()
     return {"examples_per_sec": report["examples_per_sec"],

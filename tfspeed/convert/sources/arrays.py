@@ -7,16 +7,7 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-from tfspeed.convert.sources.base import (
-    IMAGE,
-    LABEL,
-    Chunk,
-    Skip,
-    Source,
-    SourceOptions,
-    image_shape,
-    train_validation,
-)
+from tfspeed.convert.sources import base
 from tfspeed.convert.sources.encoding import ImageStorage
 from tfspeed.data.schema import Feature, standardize_stats
 
@@ -28,11 +19,11 @@ class ArrayChunk:
     arrays: dict[str, np.ndarray]
     storage: ImageStorage | None = None
 
-    def records(self) -> Iterator[dict | Skip]:
+    def records(self) -> Iterator[dict | base.Skip]:
         for i in range(len(self.arrays["label"])):
             record = {name: array[i] for name, array in self.arrays.items()}
             if self.storage is not None:
-                record[IMAGE] = self.storage.from_array(record[IMAGE])
+                record[base.IMAGE] = self.storage.from_array(record[base.IMAGE])
             yield record
 
 
@@ -43,10 +34,10 @@ def array_source(
     class_names: Sequence[str],
     identity: str,
     options: dict,
-    opts: SourceOptions,
-    label: Feature = LABEL,
+    opts: base.SourceOptions,
+    label: Feature = base.LABEL,
     inputs: tuple[str, ...] | None = None,
-) -> Source:
+) -> base.Source:
     """A source over in-memory arrays split into train/validation by ``opts``.
 
     Args:
@@ -62,10 +53,10 @@ def array_source(
       inputs: the names of several named model inputs (default: the first feature alone).
 
     Returns:
-      The `Source`; float features carry train-split mean/std in ``stats``.
+      The `base.Source`; float features carry train-split mean/std in ``stats``.
     """
     n = len(arrays["label"])
-    index = train_validation(n, opts.validation_fraction, opts.seed)
+    index = base.train_validation(n, opts.validation_fraction, opts.seed)
     per_record = sum(a[:1].nbytes for a in arrays.values()) + 16  # + Example framing
     train = index["train"]
     stats = {
@@ -73,22 +64,23 @@ def array_source(
         for f in features
         if f.encoding == "float"  # uint8 arrays are images: the reader scales them
     }
-    has_image = IMAGE in arrays
+    has_image = base.IMAGE in arrays
 
-    def make_chunk(split: str, start: int, stop: int, storage: ImageStorage | None = None) -> Chunk:
+    def make_chunk(split: str, start: int, stop: int, storage: ImageStorage | None = None) -> base.Chunk:
         rows = index[split][start:stop]
         chosen = {name: a[rows] for name, a in arrays.items()}
         return ArrayChunk(chosen, storage if has_image else None)
 
-    return Source(
+    return base.Source(
         features=(*features, label),
-        inputs=IMAGE if has_image else (inputs or features[0].name),
+        inputs=base.IMAGE if has_image else (inputs or features[0].name),
         class_names=tuple(class_names),
         splits={s: len(idx) for s, idx in index.items()},
         split_bytes={s: len(idx) * per_record for s, idx in index.items()},
         identity=identity,
         options={**options, "validation_fraction": opts.validation_fraction, "seed": opts.seed},
         make_chunk=make_chunk,
-        image_shape=image_shape(opts, arrays[IMAGE].shape[1:]) if has_image else None,
+        image_shape=(base.image_shape(opts, arrays[base.IMAGE].shape[1:]) if has_image
+                     else None),
         stats=stats,
     )

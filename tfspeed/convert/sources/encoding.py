@@ -64,7 +64,7 @@ class ImageStorage:
         if not self.size and self._keeps(image, data):
             # Decoded only to reject a broken file: a truncated one must fail here, not in the
             # training input. A JPEG is decoded at 1/8 scale (DCT scaling): every entropy-coded
-            # byte is still read, so truncation is still caught, in ~60% of a full decode's time.
+            # byte is still read, so truncation is still caught, in less than a full decode's time.
             height, width = image.height, image.width  # before draft() scales them down
             image.draft(image.mode, (1, 1))
             image.load()

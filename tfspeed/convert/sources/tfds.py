@@ -7,16 +7,7 @@ import functools
 import os
 from collections.abc import Iterator
 
-from tfspeed.convert.sources.base import (
-    IMAGE,
-    LABEL,
-    Skip,
-    Source,
-    SourceOptions,
-    content_hash,
-    image_shape,
-    ordered_splits,
-)
+from tfspeed.convert.sources import base
 from tfspeed.convert.sources.encoding import ImageStorage, image_or_skip
 from tfspeed.errors import UsageError
 
@@ -33,7 +24,7 @@ class TfdsChunk:
     stop: int
     storage: ImageStorage
 
-    def records(self) -> Iterator[dict | Skip]:
+    def records(self) -> Iterator[dict | base.Skip]:
         import tensorflow_datasets as tfds
 
         image_key, label_key = self.keys
@@ -46,13 +37,13 @@ class TfdsChunk:
         for i, example in enumerate(dataset.as_numpy_iterator()):
             item = f"tfds:{self.name}/{self.split}[{self.start + i}]"
             image = image_or_skip(item, example[image_key], self.storage)
-            if isinstance(image, Skip):
+            if isinstance(image, base.Skip):
                 yield image
             else:
-                yield {IMAGE: image, "label": int(example[label_key])}
+                yield {base.IMAGE: image, "label": int(example[label_key])}
 
 
-def open_tfds(name: str, opts: SourceOptions) -> Source:
+def open_tfds(name: str, opts: base.SourceOptions) -> base.Source:
     """Opens the prepared dataset ``name`` in ``opts.tfds_data_dir``; its splits are kept."""
     builder = _tfds_builder(name, opts.tfds_data_dir)
     info = builder.info
@@ -62,19 +53,19 @@ def open_tfds(name: str, opts: SourceOptions) -> Source:
         raise UsageError(
             f"TFDS dataset {name}: image {image_key!r} has {shape[-1]} channels; 1 or 3 convert"
         )
-    splits = {s: info.splits[s].num_examples for s in ordered_splits(info.splits)}
+    splits = {s: info.splits[s].num_examples for s in base.ordered_splits(info.splits)}
     splits = {s: n for s, n in splits.items() if n}
     files = [(f, os.stat(os.path.join(builder.data_dir, f))) for f in os.listdir(builder.data_dir)]
-    return Source(
-        features=(LABEL,),
-        inputs=IMAGE,
+    return base.Source(
+        features=(base.LABEL,),
+        inputs=base.IMAGE,
         class_names=tuple(info.features[label_key].names),
         splits=splits,
         split_bytes={s: int(info.splits[s].num_bytes) for s in splits},
-        identity=content_hash([name, sorted((f, st.st_size, st.st_mtime_ns) for f, st in files)]),
+        identity=base.content_hash([name, sorted((f, st.st_size, st.st_mtime_ns) for f, st in files)]),
         options={"tfds_data_dir": opts.tfds_data_dir},
         make_chunk=functools.partial(TfdsChunk, name, opts.tfds_data_dir, (image_key, label_key)),
-        image_shape=image_shape(opts, shape),
+        image_shape=base.image_shape(opts, shape),
     )
 
 
