@@ -67,24 +67,16 @@ def report_lines(result: dict) -> list[str]:
 
 def _chart(result: dict, path: str) -> str:
     """Throughput of (a)/(b)/(c) and time per pipeline stage, as a PNG a person can look at."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from tfspeed.util import charts
 
     eps = result["examples_per_sec"]
     stages = result["stages_ms_per_batch"]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    names = ["input alone", "model alone", "together"]
     values = [eps["input_alone"], eps["compute_alone"], eps["together"]]
-    left.bar(names, values, color=["#4c72b0", "#55a868", "#c44e52"])
-    left.set_ylabel("examples/s")
-    left.set_title(f"verdict: {result['verdict']}")
-    right.barh(list(stages), list(stages.values()), color="#8172b2")
-    right.invert_yaxis()
-    right.set_xlabel("ms per batch added by the stage")
-    right.set_title("input pipeline stages")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return charts.bar_chart(path, [
+        charts.Panel(["input alone", "model alone", "together"], {"": values}, "examples/s",
+                     f"verdict: {result['verdict']}", horizontal=False,
+                     colors=["#4c72b0", "#55a868", "#c44e52"]),
+        charts.Panel(list(stages), {"": list(stages.values())},
+                     "ms per batch added by the stage", "input pipeline stages",
+                     colors=["#8172b2"]),
+    ], size=(10, 4))
