@@ -105,5 +105,5 @@ def advice(environ: Mapping[str, str] = os.environ) -> str | None:
         return None
     return ("TensorFlow allocates host memory with malloc in this process (oneDNN is off on "
             "this CPU or by TF_ENABLE_ONEDNN_OPTS=0), which makes input pipelines that decode "
-            "or cast 1.3-4.1x slower: import tfspeed before creating any tensor, or set "
+            "or cast slower (benchmarks/host_allocator.py): import tfspeed before creating any tensor, or set "
             "TF_CPU_ALLOCATOR_USE_BFC=1 in the environment (=0 to keep malloc and silence this)")

@@ -59,8 +59,8 @@ def choose(requested: int | str, forward_flops: float | None, gpus: int,
     mflop = forward_flops / 1e6
     if forward_flops < SMALL_STEP_FLOPS:
         return 1, (f"auto: a small step ({mflop:.1f} MFLOP forward per replica, under "
-                   f"{SMALL_STEP_FLOPS / 1e6:.0f}): one thread per op, measured 1.2x faster "
-                   "for such steps on a 2-core host (no hand-off between cores per op)")
+                   f"{SMALL_STEP_FLOPS / 1e6:.0f}): one thread per op: no hand-off between "
+                   "cores per op, faster for such steps (benchmarks/train_step.py)")
     return 0, (f"auto: {mflop:.0f} MFLOP forward per replica step (at least "
                f"{SMALL_STEP_FLOPS / 1e6:.0f}): ops big enough to split, TF's default")
 
