@@ -11,7 +11,7 @@ import tensorflow as tf
 import tfspeed.data
 from tfspeed.config import Config, DataConfig, ModelConfig, RuntimeConfig, TrainConfig
 from tfspeed.errors import UsageError
-from tfspeed.training import models, trainer
+from tfspeed.training import models, optimizers
 from tfspeed.training.run import run
 
 
@@ -151,10 +151,10 @@ def test_resume_continues_from_the_last_checkpoint(digits_dir, tmp_path, setting
 def test_cosine_schedule_with_warmup_counts_updates():
     config = TrainConfig(learning_rate=0.1, lr_schedule="cosine", warmup_steps=10,
                          grad_accum_steps=4, scale_lr_with_batch=True)
-    optimizer = trainer.make_optimizer(config, total_updates=110, global_batch_size=64)
+    optimizer = optimizers.make_optimizer(config, total_updates=110, global_batch_size=64)
     schedule = optimizer._learning_rate
     peak = 0.1 * 64 * 4 / 256
-    assert trainer.peak_learning_rate(config, 64) == pytest.approx(peak)
+    assert optimizers.peak_learning_rate(config, 64) == pytest.approx(peak)
     assert float(schedule(0)) == pytest.approx(0.0, abs=1e-7)
     assert float(schedule(10)) == pytest.approx(peak, rel=1e-5)
     assert float(schedule(60)) == pytest.approx(peak / 2, rel=1e-4)
@@ -163,7 +163,7 @@ def test_cosine_schedule_with_warmup_counts_updates():
 
 def test_constant_schedule_with_warmup():
     config = TrainConfig(learning_rate=0.2, warmup_steps=4)
-    schedule = trainer.make_optimizer(config, total_updates=100, global_batch_size=8)._learning_rate
+    schedule = optimizers.make_optimizer(config, total_updates=100, global_batch_size=8)._learning_rate
     assert [round(float(schedule(s)), 6) for s in (0, 1, 3, 50)] == [0.05, 0.1, 0.2, 0.2]
 
 

@@ -139,7 +139,7 @@ def test_loss_and_metrics_by_name_and_by_function(digits_dir, user_dir, tmp_path
     ("--loss=no_such_loss", "--loss=no_such_loss is not a Keras loss nor package.module"),
     ("--metrics=auc", "--metrics=auc is not a mean of per-example values (AUC)"),
     ("--model=usermodels", "--model='usermodels' is not one of: mlp, cnn, resnet50, "
-                           "mobilenetv2, nor your own as package.module:function"),
+                           "mobilenetv2, transformer, nor your own as package.module:function"),
 ])
 def test_mistakes_with_your_own_model_are_one_line(digits_dir, user_dir, tmp_path, flag,
                                                    message):

@@ -35,7 +35,10 @@ DATA_SERVICE_SHARDING = ("off", "dynamic", "file")
 # The augmentations' names; tfspeed.data.ops holds their code (and checks it has each).
 AUGMENTATIONS = ("flip", "crop", "random_resized_crop")
 # The built-in models' names; tfspeed.training.models holds their builders.
-MODELS = ("mlp", "cnn", "resnet50", "mobilenetv2")
+MODELS = ("mlp", "cnn", "resnet50", "mobilenetv2", "transformer")
+# How variable-length token records become batches (tfspeed.data.sequences).
+BATCHINGS = ("auto", "pad", "bucket", "pack")
+LONG_POLICIES = ("truncate", "split", "skip")
 STRATEGIES = ("auto", "default", "one_device", "mirrored", "multi_worker")
 PRECISIONS = ("auto", "measure", "float32", "mixed_float16", "mixed_bfloat16")
 XLA_MODES = ("auto", "on", "off")
@@ -80,8 +83,9 @@ class DataConfig:
     ram_budget_mb: int = option(
         0, "RAM the input may take (memory cache, in-step input, tf.data buffers); 0: half of "
            "the memory available at start.")
-    image_dtype: str = option("float32", "Batches as float32 in [0, 1], or uint8 as stored (the "
-                                         "step scales them).", choices=IMAGE_DTYPES)
+    image_dtype: str = option(
+        "float32", "Batches as float32 in [0, 1], or uint8 as stored (the step scales them).",
+        choices=IMAGE_DTYPES)
     input_placement: str = option(
         "auto", "Where the step gets its batches: host (tf.data), device (the decoded split held "
                 "in the step, batches gathered inside it); auto: device if it fits "
@@ -97,6 +101,23 @@ class DataConfig:
     data_service: str = option(
         "", "grpc://HOST:PORT of a tf.data service dispatcher (python -m tfspeed.data_service): "
             "read, decode and augment on its workers; '' reads locally.")
+    batching: str = option(
+        "auto", "Token records (text): pad (each batch to its longest, the TF guide's "
+                "padded_batch), bucket (batches of similar lengths, each padded to its bucket's "
+                "boundary: one compiled shape per bucket), pack (whole sequences first-fit into "
+                "rows of --max_length, with segment ids); auto: from the measured padding and "
+                "whether the model takes segment ids (report.json says why).",
+        choices=BATCHINGS)
+    tokens_per_batch: int = option(
+        0, "Token budget of one global batch for bucket and pack: a bucket of length L takes "
+           "tokens_per_batch // L sequences, pack takes tokens_per_batch // --max_length rows; "
+           "0: --batch_size x --max_length.")
+    max_length: int = option(
+        0, "Longest sequence a batch holds (pack's row length, the last bucket's boundary); "
+           "0: the conversion's --max_length, else the train split's longest, rounded up to a "
+           "multiple of 8.")
+    long: str = option("split", "Token records longer than --max_length: truncate, split into "
+                                "pieces, or skip (counted).", choices=LONG_POLICIES)
     data_service_sharding: str = option(
         "dynamic", "How service workers split an epoch: dynamic (each record at most once), "
                    "file (a fixed share; the dispatcher needs --worker_addresses) or off (each "
@@ -109,6 +130,10 @@ class DataConfig:
         _non_negative("image_size", self.image_size)
         _non_negative("ram_budget_mb", self.ram_budget_mb)
         _non_negative("input_threads", self.input_threads)
+        _non_negative("tokens_per_batch", self.tokens_per_batch)
+        if self.max_length == 1 or self.max_length < 0:
+            raise UsageError(f"--max_length={self.max_length} must be 0 (from the data) or >= 2: "
+                             "a sequence needs a token and the one after it")
         _positive("shuffle_buffer", self.shuffle_buffer)
         _check_choices(self)
         if self.data_service:
@@ -124,7 +149,11 @@ class ModelConfig:
         "cnn", "mlp, cnn, resnet50, mobilenetv2, or your own as package.module:function "
                "(function(input_shape, num_outputs) -> keras.Model, importable from the working "
                "directory or PYTHONPATH).", flag="model")
-    width: int = option(0, "Model base width (units or filters); 0 takes the model's default.")
+    width: int = option(0, "Model base width (units, filters, or the transformer's model "
+                           "width); 0 takes the model's default.")
+    depth: int = option(0, "Transformer blocks; 0: the model's default (2).")
+    heads: int = option(0, "Transformer attention heads (a divisor of --width); 0 takes the "
+                           "model's default (4).")
     dropout: float = option(0.0, "Dropout rate before the classifier.")
     remat: bool = option(False, "Recompute activations in the backward pass: less memory, "
                                 "more compute.")
@@ -138,6 +167,8 @@ class ModelConfig:
             raise UsageError(f"--model={self.name!r} is not one of: {', '.join(MODELS)}, nor "
                              "your own as package.module:function")
         _non_negative("width", self.width)
+        _non_negative("depth", self.depth)
+        _non_negative("heads", self.heads)
         if not 0 <= self.dropout < 1:
             raise UsageError(f"--dropout={self.dropout} must be in [0, 1)")
         return self
@@ -150,8 +181,8 @@ class RuntimeConfig:
     strategy: str = option(
         "auto", "tf.distribute strategy; auto: multi_worker under a TF_CONFIG cluster, mirrored "
                 "over more than one GPU, else default.", choices=STRATEGIES)
-    cpu_replicas: int = option(0, "Split the CPU into N logical devices (MirroredStrategy on a "
-                                  "CPU machine); 0: do not split.")
+    cpu_replicas: int = option(
+        0, "Split the CPU into N logical devices (MirroredStrategy on a CPU machine); 0: none.")
     precision: str = option(
         "auto", "Keras precision policy; auto: from the hardware (timed on the model where "
                 "bfloat16 is native on a CPU); measure: always time float32 against the mixed "

@@ -7,9 +7,8 @@ elements are counted against the records of its shards. That leaves a sidecar,
 ``PATH.verified.json``, with each file's size and crc32c; later runs only compare the files
 with it. A run that wrote a cache itself records the sidecar at its end (``seal_built``).
 A cache that fails either check is deleted with one warning and written again from the
-shards. Cost, measured on this project's 2-core machine for a 293 MB cache: 0.25-0.4 s for
-the first check (TF read, crc32c, sidecar), 0.03 s for a later one (0.24 s when the files
-are not in the page cache), once per pipeline build; nothing per element.
+shards. Cost: the first check (TF read, crc32c, sidecar) more than a later one, once per
+pipeline build; nothing per element (measured once on 2 cores, not benchmarked).
 """
 
 from __future__ import annotations

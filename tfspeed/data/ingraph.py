@@ -40,11 +40,12 @@ class Placement:
     """
 
     where: str
-    estimate_mb: float
-    budget_mb: float
     reason: str
+    estimate_mb: float = 0.0  # 0: not estimated
+    budget_mb: float = 0.0
 
     def to_json(self) -> dict:
+        """For report.json's ``input.placement``."""
         return dataclasses.asdict(self)
 
 
@@ -59,24 +60,28 @@ def choose(requested: str, config: DataConfig, schema, split: str) -> Placement:
     estimate_mb = records * plan.record_bytes(config, schema, split) / 2**20
     budget_mb, source = plan.ram_budget_mb(config)
     size = f"the decoded {split!r} split takes ~{estimate_mb:,.1f} MB, the budget is {budget_mb:,.0f} MB ({source})"
-    blocker = _blocker(config)
+    blocker = _blocker(config, schema)
     if requested == "host":
-        return Placement("host", estimate_mb, budget_mb, "--input_placement=host")
+        return Placement("host", "--input_placement=host", estimate_mb, budget_mb)
     if requested == "device":
         if blocker:
             from tfspeed.errors import UsageError
 
             raise UsageError(f"--input_placement=device cannot hold the input in the step: "
                              f"{blocker}; use --input_placement=host or auto")
-        return Placement("device", estimate_mb, budget_mb, "--input_placement=device")
+        return Placement("device", "--input_placement=device", estimate_mb, budget_mb)
     if blocker:
-        return Placement("host", estimate_mb, budget_mb, f"auto: {blocker}")
+        return Placement("host", f"auto: {blocker}", estimate_mb, budget_mb)
     if estimate_mb > budget_mb:
-        return Placement("host", estimate_mb, budget_mb, f"auto: {size}: tf.data")
-    return Placement("device", estimate_mb, budget_mb, f"auto: {size}: held in the step")
+        return Placement("host", f"auto: {size}: tf.data", estimate_mb, budget_mb)
+    return Placement("device", f"auto: {size}: held in the step", estimate_mb, budget_mb)
 
 
-def _blocker(config: DataConfig) -> str:
+def _blocker(config: DataConfig, schema=None) -> str:
+    if schema is not None and not schema.named_inputs and (
+            schema.input_feature.encoding == "tokens"):
+        return ("token records are batched by length (padded, bucketed or packed) by tf.data "
+                "on the host; the in-step gather takes fixed-size records")
     if config.data_service:
         return "--data_service reads on other hosts"
     if "random_resized_crop" in config.augment:

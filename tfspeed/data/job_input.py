@@ -14,7 +14,7 @@ import tensorflow as tf
 from absl import logging
 
 from tfspeed.config import Config
-from tfspeed.data import ingraph, pipeline, plan
+from tfspeed.data import ingraph, pipeline, plan, text
 
 
 @dataclasses.dataclass
@@ -34,15 +34,24 @@ class JobInput:
     configs: dict
     preprocess: object
     report: dict
+    batching: object = None  # token records: the resolved ``text.Batching``
 
 
-def build(config: Config, schema, strategy, num_train: int) -> JobInput:
-    """Resolves and builds the input of ``config`` under ``strategy``."""
+def build(config: Config, schema, strategy, num_train: int,
+          takes_segments: bool = False) -> JobInput:
+    """Resolves and builds the input of ``config`` under ``strategy`` (``takes_segments``:
+    the model keeps packed sequences apart, so ``--batching=auto`` may pack)."""
     data, train = config.data, config.train
     images = schema.input_feature.dtype == "uint8"
     # Images travel as uint8 and are scaled to [0, 1] inside the compiled step: the pipeline
     # (and on an accelerator the host-to-device copy) moves 4× fewer bytes than float32.
     base = dataclasses.replace(data, image_dtype="uint8") if images else data
+    batching = None
+    if text.is_text(schema):
+        batching = text.resolve(data, schema, takes_segments, strategy.num_replicas_in_sync)
+        base = dataclasses.replace(base, batching=batching.mode, max_length=batching.max_length,
+                                   tokens_per_batch=batching.tokens_per_batch)
+        logging.info("--batching=%s: %s (%s)", data.batching, batching.mode, batching.reason)
     micro_steps = (train.train_steps * train.grad_accum_steps if train.train_steps else
                    train.epochs * (num_train // data.batch_size))
     placement = ingraph.choose(data.input_placement, base, schema, data.train_split)
@@ -51,6 +60,8 @@ def build(config: Config, schema, strategy, num_train: int) -> JobInput:
         passes[data.eval_split] = 1  # evaluated once, at the end
     configs, report = {}, {"image_dtype": base.image_dtype, "placement": placement.to_json(),
                            "cache": {}}
+    if batching is not None:
+        report["batching"] = batching.to_json()
     for split, reads in passes.items():
         in_graph = split == data.train_split and placement.where == "device"
         if in_graph:
@@ -78,7 +89,7 @@ def build(config: Config, schema, strategy, num_train: int) -> JobInput:
     return JobInput(train=train_input,
                     eval=dataset(data.eval_split, False) if data.eval_split else None,
                     configs=configs, preprocess=_scale_images if images else None,
-                    report=report)
+                    report=report, batching=batching)
 
 
 def device() -> str:

@@ -50,8 +50,10 @@ def make_group_parser(schema, standardize: bool = True):
 
     def select(parsed):
         inputs = {name: fn(parsed[name]) for name, fn in finish.items()}
-        return {"inputs": inputs if schema.named_inputs else inputs[schema.input_names[0]],
-                "label": tf.cast(parsed[schema.label], label_dtype)}
+        element = {"inputs": inputs if schema.named_inputs else inputs[schema.input_names[0]]}
+        if schema.label:  # a language model's records are their tokens alone
+            element["label"] = tf.cast(parsed[schema.label], label_dtype)
+        return element
 
     def parse_group(records):
         return select(tf.io.parse_example(records, spec))
@@ -154,9 +156,9 @@ def resize_bilinear(image: tf.Tensor, size: int) -> tf.Tensor:
     """``tf.image.resize(image, [size, size])``, the same float32 pixels for less work.
 
     TF's bilinear kernel reads uint8 input more slowly than float32: on 256-512 px photos
-    resized to 224 it costs ~0.27 CPU-ms per image on uint8 and ~0.16 ms on float32, the
-    cast included, next to a ~0.50 ms decode (``benchmarks/decode_ops.py``). The results are
-    bit-identical (the kernel interpolates in float32 either way).
+    resized to 224, the cast plus the float32 resize cost less CPU than the uint8 resize
+    (``benchmarks/decode_ops.py``). The results are bit-identical (the kernel interpolates
+    in float32 either way).
     """
     return tf.image.resize(tf.cast(image, tf.float32), [size, size], method="bilinear")
 

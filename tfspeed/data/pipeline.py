@@ -3,8 +3,8 @@
 The order is the one the TF performance guide and big_vision settle on; each step says why
 it sits where it does. Everything depends on the schema the converter wrote, never on
 guessing the records' layout. Per-record work is kept to one function call (the decode,
-fused with the augmentations when nothing is cached in between): on this machine each
-per-record ``map`` costs ~40 µs, a third of a small photo's decode.
+fused with the augmentations when nothing is cached in between): each per-record ``map``
+costs a sizeable share of a small photo's decode (``benchmarks/decode_ops.py``, passthrough).
 """
 
 from __future__ import annotations
@@ -13,11 +13,12 @@ import dataclasses
 import os
 import threading
 
+import numpy as np
 import tensorflow as tf
 from absl import logging
 
 from tfspeed.config import DataConfig
-from tfspeed.data import cache, ops, plan
+from tfspeed.data import cache, ops, plan, text
 from tfspeed.data import schema as schema_lib
 from tfspeed.data.cache import cache_path  # noqa: F401 -- part of this module's API
 from tfspeed.data.plan import CachePlan, plan_cache  # noqa: F401 -- part of this module's API
@@ -98,6 +99,10 @@ def build_from_config(
         num_pipelines, pipeline_id = (input_context.num_input_pipelines,
                                       input_context.input_pipeline_id)
     steps = plan.plan_steps(config, schema, split, training)
+    if text.is_text(schema):
+        replicas = input_context.num_replicas_in_sync if input_context else 1
+        return _tokens(config, schema, split, training, steps, shuffle, deterministic,
+                       num_pipelines, pipeline_id, replicas, until)
 
     if config.data_service and training and until is None:
         return _through_service(config, schema, split, steps, batch_size, shuffle,
@@ -128,6 +133,46 @@ def build_from_config(
         return ds  # repeats forever: infinite cardinality already
     records = _num_records(schema, config, split, num_pipelines, pipeline_id)
     return declare_batches(ds, -(-records // batch_size))  # drop_remainder=False: ceil
+
+
+def _tokens(config, schema, split, training, steps, shuffle, deterministic, num_pipelines,
+            pipeline_id, replicas, until=None):
+    """The text pipeline: read -> examples -> cache -> shuffle -> repeat -> batch ->
+    prefetch, batched as ``text.resolve`` says (the same figures the job and report use)."""
+    if config.data_service:
+        raise UsageError("--data_service does not serve token records yet: packing and "
+                         "bucketing run in the training process; drop --data_service")
+    batching = text.resolve(config, schema, replicas=replicas)
+    ds = _records(config, schema, split, num_pipelines, pipeline_id, shuffle, deterministic,
+                  parse=until != "read")
+    if until == "read":
+        return ds
+    # The int32 cast (and an lm's shift) before the cache: paid once, not every epoch; no
+    # decoding here, the cache holds the token examples.
+    ds = _map(ds, text.make_to_example(schema.task), deterministic)
+    if until == "decode":
+        return ds
+    records = _num_records(schema, config, split, num_pipelines, pipeline_id)
+    ds = cache.apply(ds, schema, config, split, num_pipelines, pipeline_id, records,
+                     steps.cache.mode)
+    if until == "cache":
+        return ds
+    if shuffle:  # sequences, before batching: buckets and packed rows mix the whole buffer
+        ds = ds.shuffle(steps.shuffle_buffer, seed=config.seed, reshuffle_each_iteration=True)
+    if training:
+        ds = ds.repeat()  # before batching: no short batch (or bucket remainder) mid-run
+    if until == "augment":
+        return ds
+    counts = text.length_counts(schema, split)
+    longest = int(np.flatnonzero(counts)[-1]) if counts.any() else 0
+    ds = text.batch(ds, batching, training=training, longest=longest,
+                    num_pipelines=num_pipelines, local_replicas=replicas // num_pipelines,
+                    deterministic=deterministic)
+    ds = ds.prefetch(AUTOTUNE).with_options(_options(config, deterministic))
+    if training or batching.mode != "pad" or longest > batching.max_length:
+        return ds  # endless, or a count only packing or bucketing tells
+    batches = -(-records // (batching.batch_size // num_pipelines))
+    return declare_batches(ds, batches * (replicas // num_pipelines))
 
 
 def declare_batches(ds: tf.data.Dataset, num_batches: int) -> tf.data.Dataset:
@@ -255,8 +300,9 @@ def _batched(ds, config, steps, batch_size, training, deterministic):
     # drop_remainder for training: static batch shapes (XLA, replicas) and equal-sized steps.
     if steps.mapped_after_cache:
         # Right after a map, a plain batch fuses with it (map_and_batch): each record goes
-        # into the batch while it is in the CPU cache. Measured on photos, ~8% faster than a
-        # parallel batch, which copies each record again later, on another thread.
+        # into the batch while it is in the CPU cache: on photos, faster than a parallel batch,
+        # which copies each record again later, on another thread (measured once on 2 cores,
+        # not benchmarked).
         ds = ds.batch(batch_size, drop_remainder=training)
     else:  # records from a cache: copying them is the work, done in parallel
         ds = ds.batch(batch_size, drop_remainder=training, num_parallel_calls=AUTOTUNE,
@@ -301,8 +347,9 @@ def _through_service(config, schema, split, steps, batch_size, shuffle, determin
     if shuffle:
         ds = ds.shuffle(steps.shuffle_buffer, seed=config.seed, reshuffle_each_iteration=True)
     ds = _after_cache(ds, config, remote_steps, True, deterministic, remote=True)
-    # Records travel in groups: one RPC per record caps a worker at ~3,000 records/s here,
-    # groups of 64 move ~30,000/s (benchmarks/scaling.py; measured on the digits).
+    # Records travel in groups: one RPC per record caps a worker far below what groups of 64
+    # move (measured once on the digits, not benchmarked; benchmarks/scaling.py times the
+    # service as built here).
     ds = ds.batch(SERVICE_TRANSFER_BATCH)
     remote = service.distribute(ds, config.data_service, config.data_service_sharding)
     expected = sum(counts)
@@ -349,6 +396,8 @@ def input_shape(schema: schema_lib.Schema, config: DataConfig):
     name -> shape for several named inputs."""
     if schema.named_inputs:
         return {name: tuple(schema.features[name].shape) for name in schema.input_names}
+    if text.is_text(schema):
+        return text.input_spec()
     feature = schema.input_feature
     if is_image(feature) and config.image_size:
         return (config.image_size, config.image_size, feature.shape[-1])

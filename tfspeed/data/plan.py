@@ -16,10 +16,10 @@ from tfspeed.data import ops
 from tfspeed.errors import UsageError
 
 DEFAULT_RAM_FRACTION = 0.5  # of the memory available when the run starts
-# Cap on a shuffle buffer that holds copies (not cached references). Measured on 224 px raw
-# photos (150 KB records, 2 cores, cold): a buffer of 512 records (77 MB) ran ~7,000 img/s,
-# 890 ~6,000, 1,780 (the old 256 MB cap) 4,700; encoded JPEGs (31 KB) the same at 2,100
-# records as at 3,000. Records still come from all shards at once, their order shuffled.
+# Cap on a shuffle buffer that holds copies (not cached references). On 224 px raw photos
+# (150 KB records, cold) larger buffers ran slower, the old 256 MB cap by far; encoded JPEGs
+# (31 KB) ran the same either way (measured once on 2 cores, not benchmarked). Records still
+# come from all shards at once, their order shuffled.
 SHUFFLE_BUFFER_MB = 64
 _ELEMENT_OVERHEAD = 256  # bytes per cached element besides its data (tensor headers, label)
 
@@ -60,8 +60,9 @@ class Steps:
       shuffle_buffer: records in the shuffle buffer.
       normalize: scale uint8 images to float32 in [0, 1] per batch.
       scale_in_map: scale images to [0, 1] at the end of the per-record map after the cache
-        instead (one exists: decoding or augmenting). Measured on photos: scaling each image
-        while it is in the CPU cache beats a pass over a 38 MB float batch (~10%).
+        instead (one exists: decoding or augmenting). On photos, scaling each image while it
+        is in the CPU cache beats a pass over a 38 MB float batch (measured once, not
+        benchmarked).
       mapped_after_cache: a per-record map runs after the cache (decoding or augmenting).
     """
 
@@ -165,7 +166,11 @@ def record_bytes(config: DataConfig, schema, split: str, encoded: bool = False) 
     if schema.named_inputs:
         return sum(math.prod(schema.features[n].shape) * 4 for n in schema.input_names)
     feature = schema.input_feature
-    if encoded or (feature.is_image and None in feature.shape[:2] and not config.image_size):
+    if feature.encoding == "tokens" and not encoded:
+        # Cached as int32 examples: an lm's holds its inputs and its labels.
+        mean = float((schema.split(split).text or {}).get("mean", 0))
+        return mean * 4 * (2 if schema.task == "lm" else 1) + 4
+    if encoded or feature.encoding == "tokens" or (feature.is_image and None in feature.shape[:2] and not config.image_size):
         shards = schema.split(split).shards
         return sum(s.num_bytes for s in shards) / max(sum(s.num_records for s in shards), 1)
     shape = list(feature.shape)

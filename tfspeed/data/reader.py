@@ -6,19 +6,18 @@ fail the pipeline. The shard reader here counts each shard's records against
 ``schema.json``, so whatever is lost is reported (or fails the run), never silent, and a
 bad payload costs that record alone.
 
-The hot path is sacred: on this 2-core machine every per-record ``map`` or ``scan`` with a
-function costs ~40 µs, as much as a third of a photo's decode. So records move in groups
-of up to ``GROUP`` (and ``GROUP_BYTES``) through everything here: one vectorised
-``parse_example`` per group (with a per-record fallback only for a group that fails to
-parse), one counting ``scan`` step per group. The reader yields the groups. Where records
+The hot path is sacred: every per-record ``map`` or ``scan`` with a function costs a sizeable
+share of a photo's decode (``benchmarks/decode_ops.py``: ``passthrough`` against ``decode``).
+So records move in groups of up to ``GROUP`` (and ``GROUP_BYTES``) through everything here:
+one vectorised ``parse_example`` per group (with a per-record fallback only for a group that
+fails to parse), one counting ``scan`` step per group. The reader yields the groups. Where records
 are shuffled, the pipeline unbatches them after the parallel ``interleave``, so that the
 interleave hands over one element per group rather than per record (unshuffled, it keeps
-taking records from the files in turn, one by one: see `tfspeed.data.pipeline`): 224-px raw shards read cold at 8.2-8.9k against
-6.6-7.8k images/s (0.22 against 0.24-0.28 CPU-ms an image, 4 alternating pairs), and JPEG
-shards take 0.5-1.4% less CPU per photo (profiler samples per decoder sample). Read alone
-over JPEG shards, shuffled as training reads them, this runs at 0.82x a bare
-``TFRecordDataset`` per file in a parallel interleave: 0.028 against 0.025 CPU-ms a record
-(``benchmarks/input_pipeline.py``, ``read_stage/bare_tfrecord``).
+taking records from the files in turn, one by one: see `tfspeed.data.pipeline`): 224-px raw
+shards read cold faster, and JPEG shards at a little less CPU per photo (tfspeed cold in
+``benchmarks/input_pipeline.py``). Read alone over JPEG shards, shuffled as training reads
+them, this runs slower than a bare ``TFRecordDataset`` per file in a parallel interleave: the
+price of counting each shard's records (``benchmarks/input_pipeline.py``, the read stage).
 """
 
 from __future__ import annotations
@@ -34,9 +33,8 @@ from tfspeed.config import DataConfig
 
 GROUP = 64  # records per parse / count step, at most
 # Bytes per group, at most: a group of big records (224 px raw photos, 150 KB each) stays in
-# the CPU's cache while it is parsed and split. Measured cold on those photos, 2 cores, in
-# alternating processes: groups of 13-16 averaged 7,070-7,450 img/s at 0.25-0.26 CPU-ms an
-# image, groups of 64 6,900-7,100 at 0.26-0.27 (a few %, but in every comparison).
+# the CPU's cache while it is parsed and split. Cold on those photos, such groups ran a few %
+# faster than groups of 64, in every comparison (measured once on 2 cores, not benchmarked).
 GROUP_BYTES = 2 << 20
 MIN_GROUP = 8
 
@@ -146,18 +144,17 @@ def shard_reader(config: DataConfig, parse_group, parse_one=None, check=None,
     def read(path, expected):
         records = tf.data.TFRecordDataset(path).ignore_errors()
         if per_record and parse_one is not None:
-            groups = records.map(parse_one).ignore_errors().batch(group)
+            groups = _batch(records.map(parse_one).ignore_errors(), group)
         else:
             groups = records.batch(group)
             if parse_group is not None:
                 groups = groups.flat_map(_parse_alone_on_failure(parse_group, parse_one, group))
         # batch() never yields an empty group: an empty one marks the shard's end.
-        end = tf.nest.map_structure(lambda s: tf.zeros([0, *s.shape[1:]], s.dtype),
-                                    groups.element_spec)
+        end = tf.nest.map_structure(_empty, groups.element_spec)
         groups = groups.concatenate(tf.data.Dataset.from_tensors(end))
 
         def count(n, group):  # n: records before this group
-            size = tf.cast(tf.shape(tf.nest.flatten(group)[0])[0], tf.int64)
+            size = tf.cast(_rows(tf.nest.flatten(group)[0]), tf.int64)
             error = tf.cond(
                 size == 0,
                 (lambda: account_in_graph(path, n, expected)) if remote else
@@ -185,11 +182,30 @@ def _parse_alone_on_failure(parse_group, parse_one, group: int):
 
     def per_group(records):
         fast = tf.data.Dataset.from_tensors(records).map(parse_group).ignore_errors()
-        alone = (tf.data.Dataset.from_tensor_slices(records).map(parse_one).ignore_errors()
-                 .batch(group))
+        alone = _batch(tf.data.Dataset.from_tensor_slices(records).map(parse_one)
+                       .ignore_errors(), group)
         return fast.concatenate(alone).take(1)
 
     return per_group
+
+
+def _batch(ds: tf.data.Dataset, group: int) -> tf.data.Dataset:
+    """Records parsed one by one -> groups like ``parse_group``'s: variable-length ones
+    (token sequences) as a RaggedTensor, as ``tf.io.RaggedFeature`` parses a group."""
+    ragged = any(None in s.shape for s in tf.nest.flatten(ds.element_spec))
+    return ds.ragged_batch(group) if ragged else ds.batch(group)
+
+
+def _empty(spec):
+    """A group of no records of ``spec`` (dense or ragged)."""
+    if isinstance(spec, tf.RaggedTensorSpec):
+        return tf.RaggedTensor.from_row_splits(tf.zeros([0], spec.dtype),
+                                               tf.zeros([1], spec.row_splits_dtype))
+    return tf.zeros([0, *spec.shape[1:]], spec.dtype)
+
+
+def _rows(x) -> tf.Tensor:
+    return x.nrows() if isinstance(x, tf.RaggedTensor) else tf.shape(x)[0]
 
 
 def _message(path: str, read: int, expected: int, repair: str) -> str:

@@ -301,7 +301,7 @@ def pack(ds: tf.data.Dataset, max_length: int, rows_per_batch: int, window: int 
     ``window`` sequences at a time are packed by one numpy call (a per-window cost);
     rows leave in the order of their first sequence, so a batch mixes long and short
     sequences; the output depends only on the input order (seed the shuffle before). The
-    numpy call (``tf.numpy_function``, ~10 us per sequence under the GIL) ties ``pack`` to
+    numpy call (``tf.numpy_function``, under the GIL) ties ``pack`` to
     this Python process: with the tf.data service, pack after the service's output.
 
     Args:
@@ -336,8 +336,9 @@ def pack(ds: tf.data.Dataset, max_length: int, rows_per_batch: int, window: int 
         inputs = dict(zip(("tokens", "segment_ids", "positions"), rows[:3], strict=True))
         return inputs, {"label": rows[3], "weight": rows[4]}
 
-    # A window arrives padded with -1 to its longest sequence: ``padded_batch`` costs ~5 us
-    # per sequence here, ``ragged_batch`` ~60 (it maps every element to a RaggedTensor).
+    # A window arrives padded with -1 to its longest sequence: ``padded_batch`` costs far less
+    # per sequence than ``ragged_batch``, which maps every element to a RaggedTensor (measured
+    # once on 2 cores, not benchmarked).
     # The price is memory: window × the window's longest sequence, per tensor.
     values = {"tokens": tf.constant(_PAD, tf.int32), "label": tf.constant(_PAD, tf.int32)}
     ds = ds.padded_batch(window, padding_values=values).map(
@@ -408,8 +409,7 @@ class _Packer:
         """First-fit decreasing: the row, segment index and offset of each piece.
 
         The leftmost row with room is found in a max-tree over the rows' free space: O(log n)
-        per piece, not a scan of the open rows (measured ~50 -> ~10 us per sequence
-        in windows of 1,024 short texts).
+        per piece, not a scan of the open rows.
         """
         n = lengths.size
         size = 1 << max(0, (n - 1).bit_length())

@@ -18,11 +18,17 @@ variable update out of the places where tf.distribute breaks:
 * **Loss scaling**: the loss is multiplied by a scale variable that only changes at update
   boundaries, so all micro-batches of one update share it; the sum is unscaled once, checked for
   inf/NaN after the all-reduce (so every replica takes the same branch) and skipped if not finite.
+* **Weighted objectives** (token data, ``weighted=True``): the number of real elements (tokens,
+  sequences) varies per micro-batch, so a mean of micro-batch means is not the update's mean.
+  Each replica differentiates its *sum* of weighted losses (over the fixed
+  ``global_batch_size``, for magnitude) and adds its weight sum to an ``ON_READ``/``SUM``
+  accumulator; at apply time the gradients are multiplied by ``global_batch_size / W``, W the
+  weight sum of all K micro-batches on all replicas, and an update with W = 0 is skipped.
+  The recipe and its reference are in ``tfspeed.training.transformer``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 from collections.abc import Callable, Iterable
 
@@ -30,104 +36,18 @@ import keras
 import tensorflow as tf
 from absl import logging
 
+from tfspeed.training.engine_state import (  # noqa: F401 -- EngineOptions re-exported
+    EngineOptions,
+    EngineState,
+    check_arguments,
+    ensure_cpu_devices,
+    sparse_accuracy,
+    token_counts,
+)
+
 LossFn = Callable[[tf.Tensor, tf.Tensor], tf.Tensor]
 _SUM = tf.distribute.ReduceOp.SUM
 _ONLY_FIRST = tf.VariableAggregation.ONLY_FIRST_REPLICA
-
-
-def ensure_cpu_devices(n: int = 2) -> int:
-    """Splits the first physical CPU into `n` logical devices, if TF still allows it.
-
-    Must run before any op; if TF is already initialised (or the split was made already) the
-    existing devices are kept.
-
-    Returns:
-        The number of logical CPU devices.
-    """
-    cpus = tf.config.list_physical_devices("CPU")
-    try:
-        if len(tf.config.get_logical_device_configuration(cpus[0]) or ()) < n:
-            tf.config.set_logical_device_configuration(
-                cpus[0], [tf.config.LogicalDeviceConfiguration()] * n
-            )
-    except RuntimeError:  # "Virtual devices cannot be modified after being initialized"
-        pass
-    return len(tf.config.list_logical_devices("CPU"))
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineOptions:
-    """How `Engine` runs training.
-
-    Attributes:
-        grad_accum_steps: micro-batches per optimizer update (K). K micro-batches of global size
-            b give the update of one batch of size K*b.
-        steps_per_execution: micro-steps run by one `Engine.train` call (one `tf.function` call).
-            Need not be a multiple of `grad_accum_steps`: accumulation spans calls.
-        xla: compile the per-replica forward+backward with XLA.
-        loss_scale: dynamic loss scaling (use with mixed_float16).
-        initial_loss_scale: starting scale (Keras' default).
-        loss_scale_growth_interval: finite updates in a row after which the scale doubles.
-    """
-
-    grad_accum_steps: int = 1
-    steps_per_execution: int = 1
-    xla: bool = False
-    loss_scale: bool = False
-    initial_loss_scale: float = 2.0**15
-    loss_scale_growth_interval: int = 2000
-
-    def __post_init__(self):
-        for name in ("grad_accum_steps", "steps_per_execution", "loss_scale_growth_interval"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"EngineOptions.{name} must be an int >= 1, got {value!r}")
-        if not self.initial_loss_scale >= 1:
-            raise ValueError(
-                f"EngineOptions.initial_loss_scale must be >= 1, got {self.initial_loss_scale!r}"
-            )
-
-
-class _EngineState(tf.Module):
-    """The engine's variables, trackable so a checkpoint holds a half-accumulated update."""
-
-    def __init__(self, trainable_variables: list, options: EngineOptions):
-        super().__init__(name="engine")
-        counter = dict(trainable=False, dtype=tf.int64, aggregation=_ONLY_FIRST)
-        self.micro_steps = tf.Variable(0, name="micro_steps", **counter)
-        self.skipped_updates = tf.Variable(0, name="skipped_updates", **counter)
-        # ON_READ/SUM: each replica adds to its own copy without communication; a read in
-        # cross-replica context (and a checkpoint) sees the sum over replicas, and a restore
-        # splits it evenly again, so the sum survives a change in the number of replicas.
-        self.accumulators = (
-            [
-                tf.Variable(
-                    tf.zeros(v.shape, _accumulator_dtype(v.dtype)),
-                    trainable=False,
-                    name=f"grad_accum_{i}",
-                    synchronization=tf.VariableSynchronization.ON_READ,
-                    aggregation=tf.VariableAggregation.SUM,
-                )
-                for i, v in enumerate(trainable_variables)
-            ]
-            if options.grad_accum_steps > 1
-            else []
-        )
-        if options.loss_scale:
-            self.loss_scale = tf.Variable(
-                options.initial_loss_scale,
-                name="loss_scale",
-                trainable=False,
-                dtype=tf.float32,
-                aggregation=_ONLY_FIRST,
-            )
-            self.good_steps = tf.Variable(0, name="good_steps", **counter)
-
-
-def _accumulator_dtype(dtype) -> tf.DType:
-    # Summing K half-precision gradients in half precision would lose the small ones.
-    dtype = tf.as_dtype(dtype)  # Keras variables give their dtype as a string
-    return tf.float32 if dtype in (tf.float16, tf.bfloat16) else dtype
 
 
 class Engine:
@@ -151,6 +71,12 @@ class Engine:
         metrics: name -> `fn(labels, outputs) -> one value per example`, averaged over the
             examples of a call (training) or of the whole dataset (`evaluate`). Default:
             `{"accuracy": sparse_accuracy}` (the arg-max of the outputs equals the label).
+        weighted: token data (`tfspeed.training.objectives.resolve(..., sequences=True)`):
+            `loss_fn(targets, outputs)` and each metric return per-element values already
+            multiplied by `targets["weight"]` (any shape); losses and metrics are their sums
+            divided by the sum of the weights over an update (training, with gradients to
+            match) or over the dataset (`evaluate`), exactly, however the real elements are
+            spread over micro-batches and replicas.
     """
 
     def __init__(
@@ -164,22 +90,24 @@ class Engine:
         global_batch_size: int,
         preprocess: Callable[[tf.Tensor], tf.Tensor] | None = None,
         metrics: dict[str, LossFn] | None = None,
+        weighted: bool = False,
     ):
         options = EngineOptions() if options is None else options
         self._preprocess = preprocess or (lambda x: x)
         self._metrics = dict({"accuracy": sparse_accuracy} if metrics is None else metrics)
         if "loss" in self._metrics:
             raise ValueError("metrics: 'loss' is the loss itself; name the metric otherwise")
-        _check_arguments(model, optimizer, strategy, options, global_batch_size)
+        check_arguments(model, optimizer, strategy, options, global_batch_size)
         self.model, self.optimizer, self.strategy = model, optimizer, strategy
         self.options = options
         self._loss_fn = loss_fn
         self._global_batch_size = global_batch_size
+        self.weighted = weighted
         self._variables = list(model.trainable_variables)
         with strategy.scope():
             if not optimizer.built:
                 optimizer.build(self._variables)
-            self._state = _EngineState(self._variables, options)
+            self._state = EngineState(self._variables, options, weighted)
             # The first micro-step whose loss was not finite (0: none yet) and that loss. Not in
             # the checkpointed state: a checkpoint never holds a diverged run.
             self._nonfinite_step = tf.Variable(0, trainable=False, dtype=tf.int64,
@@ -209,9 +137,13 @@ class Engine:
 
         Returns:
             Scalar tensors (no host sync): `loss` and each metric (`metric_names`) averaged
-            over this call's micro-batches, `updates` (= `optimizer.iterations`, applied updates so far),
-            `skipped` (updates skipped for non-finite gradients so far), `loss_scale` and
-            `input_wait_s` (seconds this call spent waiting for input batches).
+            over this call's micro-batches (weighted: their sums over the call divided by its
+            weight sum), `updates` (= `optimizer.iterations`, applied updates so far),
+            `skipped` (updates skipped for non-finite gradients, or weighted with no weight,
+            so far), `loss_scale`, `input_wait_s` (seconds this call spent waiting for input
+            batches), and for token inputs (a dict with `segment_ids`; 0 otherwise) int64
+            `real_tokens` (segment_ids > 0), `computed_tokens` (B x T) and `sequences`
+            (segments) over the call's micro-batches.
         """
         steps = self.options.steps_per_execution if steps is None else steps
         return self._train_fn(iterator, tf.constant(steps, tf.int32))
@@ -234,7 +166,8 @@ class Engine:
             steps: evaluate at most this many batches (None: the whole dataset).
 
         Returns:
-            `{"loss": float, <metric>: float, ...}`.
+            `{"loss": float, <metric>: float, ...}`; weighted: sums over the dataset divided
+            by its weight sum.
         """
         totals = tf.zeros([len(self._metrics) + 2])
         for batch in itertools.islice(dataset, steps):
@@ -269,6 +202,13 @@ class Engine:
         return self._nonfinite_step.read_value(), self._nonfinite_loss.read_value()
 
     @property
+    def compiled_functions(self) -> int:
+        """Traces of the training step (`train` and `train_one`) so far: one per input
+        signature, so batches of static shapes (one per bucket) give at most one each."""
+        return sum(int(f.experimental_get_tracing_count())
+                   for f in (self._train_fn, self._train_one_fn))
+
+    @property
     def loss_scale(self) -> tf.Tensor:
         """The current dynamic loss scale (1.0 without loss scaling)."""
         return self._scale()
@@ -276,10 +216,11 @@ class Engine:
     # ---------------------------------------------------------------- replica context
     def _replica_forward(self, x, y, training: bool = False):
         """This replica's summed per-example loss, regularisation loss, summed per-example
-        metrics (a vector, in ``metric_names`` order) and example count."""
+        metrics (a vector, in ``metric_names`` order) and example count (weighted: the sum
+        of the weights)."""
         outputs = tf.cast(self.model(self._preprocess(x), training=training), tf.float32)
         per_example = tf.cast(self._loss_fn(y, outputs), tf.float32)
-        if per_example.shape.rank != 1:
+        if not self.weighted and per_example.shape.rank != 1:
             raise ValueError(
                 "loss_fn must return one loss per example (no reduction), got shape "
                 f"{per_example.shape}"
@@ -287,45 +228,68 @@ class Engine:
         reg = tf.add_n([tf.cast(r, tf.float32) for r in self.model.losses] or [tf.constant(0.0)])
         sums = [tf.reduce_sum(tf.cast(fn(y, outputs), tf.float32))
                 for fn in self._metrics.values()]
-        count = tf.cast(tf.shape(per_example)[0], tf.float32)
+        count = (tf.reduce_sum(tf.cast(y["weight"], tf.float32)) if self.weighted
+                 else tf.cast(tf.shape(per_example)[0], tf.float32))
         return tf.reduce_sum(per_example), reg, tf.stack(sums) if sums else tf.zeros([0]), count
 
     def _replica_forward_backward(self, x, y):
-        """Scaled gradients and metrics `[loss share, *metric sums, count]`; what `xla=True`
-        compiles."""
+        """Scaled gradients and metrics `[loss share, *metric sums, count]` (weighted: `[loss
+        sum, *metric sums, weight sum]`); what `xla=True` compiles."""
         with tf.GradientTape() as tape:
             loss_sum, reg, sums, count = self._replica_forward(x, y, training=True)
-            # As tf.nn.compute_average_loss / scale_regularization_loss: the SUM over replicas
-            # of these shares is the global mean loss plus the regularisation, once.
-            loss = loss_sum / self._global_batch_size + reg / self.strategy.num_replicas_in_sync
+            if self.weighted:
+                # The regularisation weighted by this micro-batch's weight: times
+                # global_batch_size / W at apply time, the shares add up to it once.
+                loss_sum = loss_sum + reg * count
+                loss = loss_sum / self._global_batch_size
+            else:
+                # As tf.nn.compute_average_loss / scale_regularization_loss: the SUM over
+                # replicas of these shares is the global mean loss plus the regularisation.
+                loss = (loss_sum / self._global_batch_size
+                        + reg / self.strategy.num_replicas_in_sync)
             scaled_loss = loss * self._scale() if self.options.loss_scale else loss
         grads = tape.gradient(scaled_loss, self._variables)
         missing = [v.path for g, v in zip(grads, self._variables, strict=True) if g is None]
         if missing:
             raise ValueError(f"no gradient for {missing}: mark them trainable=False")
-        return [tf.convert_to_tensor(g) for g in grads], tf.concat([[loss], sums, [count]], 0)
+        reported = loss_sum if self.weighted else loss
+        return ([tf.convert_to_tensor(g) for g in grads],
+                tf.concat([[reported], sums, [count]], 0))
 
     def _replica_grads(self, x, y):
         grads, metrics = self._forward_backward(x, y)
-        return self._unscale(grads), metrics
+        # Weighted: unscaled at apply time, when the global weight sum is known.
+        return grads if self.weighted else self._unscale(grads), metrics, token_counts(x)
 
     def _replica_accumulate(self, x, y):
         grads, metrics = self._forward_backward(x, y)
         for acc, g in zip(self._state.accumulators, grads, strict=True):
             acc.assign_add(tf.cast(g, acc.dtype))
-        return metrics
+        if self.weighted:
+            self._state.weight_sum.assign_add(metrics[-1])
+        return metrics, token_counts(x)
 
-    def _replica_read_accumulators(self):
-        return self._unscale([acc.read_value() for acc in self._state.accumulators])
+    def _replica_read_accumulators(self, factor=None):
+        return self._unscale([acc.read_value() for acc in self._state.accumulators], factor)
 
     def _replica_zero_accumulators(self):
         for acc in self._state.accumulators:
             acc.assign(tf.zeros_like(acc))
+        if self.weighted:
+            self._state.weight_sum.assign(0.0)
 
-    def _unscale(self, grads):
-        """Undoes the loss scale and averages over the K micro-batches, in one multiply."""
-        factor = 1.0 / (self._scale() * self.options.grad_accum_steps)
+    def _unscale(self, grads, factor=None):
+        """Undoes the loss scale and averages over the K micro-batches, in one multiply
+        (weighted: `factor`, from `_weight_factor`)."""
+        if factor is None:
+            factor = 1.0 / (self._scale() * self.options.grad_accum_steps)
         return [g * tf.cast(factor, g.dtype) for g in grads]
+
+    def _weight_factor(self, weight):
+        """Scaled sums of an update over `global_batch_size` -> its weighted mean's
+        gradients: `global_batch_size / (scale * W)` (0 when W = 0; that update is skipped)."""
+        return tf.math.divide_no_nan(tf.constant(float(self._global_batch_size)),
+                                     self._scale() * weight)
 
     def _scale(self) -> tf.Tensor:
         return self._state.loss_scale.read_value() if self.options.loss_scale else tf.constant(1.0)
@@ -338,23 +302,22 @@ class Engine:
 
     def _train_execution(self, iterator, steps):
         totals = tf.zeros([len(self._metrics) + 2])  # loss, metric sums, count
+        tokens = tf.zeros([3], tf.int64)  # real, computed, sequences
         waited = tf.constant(0.0, tf.float64)
         for _ in tf.range(steps):
-            metrics, wait = self._timed_micro_step(iterator)
-            totals, waited = totals + metrics, waited + wait
-        return self._outputs(totals, waited, steps)
+            metrics, counts, wait = self._timed_micro_step(iterator)
+            totals, tokens, waited = totals + metrics, tokens + counts, waited + wait
+        return self._outputs(totals, tokens, waited, steps)
 
     def _train_one(self, iterator):
-        metrics, wait = self._timed_micro_step(iterator)
-        return self._outputs(metrics, wait, 1)
+        return self._outputs(*self._timed_micro_step(iterator), 1)
 
     def _timed_micro_step(self, iterator):
         if hasattr(iterator, "replica_batch"):  # in-graph input: nothing to wait for
-            metrics = self.strategy.reduce(_SUM, self._micro_step(None, None, iterator),
-                                           axis=None)
+            metrics, tokens = self._micro_step(None, None, iterator)
             if not self.options.loss_scale:
-                self._record_nonfinite(metrics[0])
-            return metrics, tf.constant(0.0, tf.float64)
+                self._record_nonfinite(self._step_loss(metrics))
+            return metrics, tokens, tf.constant(0.0, tf.float64)
         # Host time spent inside get_next: ~0 when prefetch keeps up, the stall otherwise.
         # The timestamps are ordered around it by control dependencies; no host sync.
         before = tf.timestamp()
@@ -362,11 +325,16 @@ class Engine:
             x, y = next(iterator)
         with tf.control_dependencies(tf.nest.flatten((x, y), expand_composites=True)):
             wait = tf.timestamp() - before
-        # One small reduce per micro-step, inside the loop (what works with 2 replicas).
-        metrics = self.strategy.reduce(_SUM, self._micro_step(x, y), axis=None)
+        metrics, tokens = self._micro_step(x, y)
         if not self.options.loss_scale:
-            self._record_nonfinite(metrics[0])
-        return metrics, wait
+            self._record_nonfinite(self._step_loss(metrics))
+        return metrics, tokens, wait
+
+    def _step_loss(self, metrics):
+        """A micro-step's loss from its reduced metrics (weighted: sum / weight sum)."""
+        if not self.weighted:
+            return metrics[0]
+        return metrics[0] / tf.where(metrics[-1] > 0, metrics[-1], 1.0)
 
     def _record_nonfinite(self, loss):
         # Branch-free (a tiny assign per step): cheaper than a cond inside the step loop.
@@ -376,19 +344,25 @@ class Engine:
                                              self._nonfinite_step.read_value()))
         self._nonfinite_loss.assign(tf.where(first, loss, self._nonfinite_loss.read_value()))
 
-    def _outputs(self, totals, waited, steps):
+    def _outputs(self, totals, tokens, waited, steps):
         return {
             # divide_no_nan: a call of 0 steps (it times the call overhead) reports zeros.
-            "loss": tf.math.divide_no_nan(totals[0], tf.cast(steps, tf.float32)),
+            "loss": tf.math.divide_no_nan(
+                totals[0], totals[-1] if self.weighted else tf.cast(steps, tf.float32)),
             **{name: tf.math.divide_no_nan(totals[1 + i], totals[-1])
                for i, name in enumerate(self._metrics)},
             "updates": self.optimizer.iterations.value.read_value(),
             "skipped": self._state.skipped_updates.read_value(),
             "loss_scale": self._scale(),
             "input_wait_s": waited,
+            "real_tokens": tokens[0],
+            "computed_tokens": tokens[1],
+            "sequences": tokens[2],
         }
 
     def _micro_step(self, x, y, source=None):
+        """Trains on one micro-batch; returns its metrics and token counts, all-reduced (one
+        small reduce each per micro-step, inside the loop: what works with 2 replicas)."""
         micro_steps = self._state.micro_steps.assign_add(1)
         grads_fn, accumulate_fn, args = self._replica_grads, self._replica_accumulate, (x, y)
         if source is not None:  # each replica gathers its part of micro-step `step` itself
@@ -397,10 +371,16 @@ class Engine:
             accumulate_fn = lambda step: self._replica_accumulate(  # noqa: E731
                 *source.replica_batch(step))
         if self.options.grad_accum_steps == 1:
-            grads, metrics = self.strategy.run(grads_fn, args=args)
-            self._apply(grads)
-            return metrics
-        metrics = self.strategy.run(accumulate_fn, args=args)
+            grads, metrics, tokens = self.strategy.run(grads_fn, args=args)
+            if not self.weighted:
+                self._apply(grads)
+                return self._reduce(metrics), self._reduce_tokens(tokens)
+            metrics = self._reduce(metrics)
+            grads = self.strategy.run(self._unscale,
+                                      args=(grads, self._weight_factor(metrics[-1])))
+            self._apply(grads, weight=metrics[-1])
+            return metrics, self._reduce_tokens(tokens)
+        metrics, tokens = self.strategy.run(accumulate_fn, args=args)
         # Decided here, in cross-replica context, never by a cond in replica context
         # around apply_gradients (keras#20582).
         tf.cond(
@@ -408,23 +388,52 @@ class Engine:
             self._apply_accumulated,
             lambda: None,
         )
-        return metrics
+        return self._reduce(metrics), self._reduce_tokens(tokens)
+
+    def _reduce(self, per_replica):
+        return self.strategy.reduce(_SUM, per_replica, axis=None)
+
+    def _reduce_tokens(self, per_replica):
+        """Summed token counts, or zeros without a token input (known when traced)."""
+        if not self.strategy.experimental_local_results(per_replica)[0].shape[0]:
+            return tf.zeros([3], tf.int64)
+        return self._reduce(per_replica)
 
     def _apply_accumulated(self):
-        self._apply(self.strategy.run(self._replica_read_accumulators))
+        if self.weighted:
+            # An ON_READ/SUM variable read in cross-replica context: the sum over replicas.
+            weight = self._state.weight_sum.read_value()
+            self._apply(self.strategy.run(self._replica_read_accumulators,
+                                          args=(self._weight_factor(weight),)), weight)
+        else:
+            self._apply(self.strategy.run(self._replica_read_accumulators))
         self.strategy.run(self._replica_zero_accumulators)
 
-    def _apply(self, per_replica_grads):
-        """All-reduces unscaled, averaged per-replica gradients and applies them if finite."""
+    def _apply(self, per_replica_grads, weight=None):
+        """All-reduces unscaled, averaged per-replica gradients and applies them if finite
+        (and, weighted, if the update's weight sum `weight` is above 0)."""
         pairs = [(g, v.value) for g, v in zip(per_replica_grads, self._variables, strict=True)]
         # One batched all-reduce; the results stay on each replica's device.
         grads = self.strategy.extended.batch_reduce_to(_SUM, pairs)
-        if not self.options.loss_scale:
+        if not self.options.loss_scale and weight is None:
             self.optimizer.apply_gradients(zip(grads, self._variables, strict=True))
             return
-        # After the all-reduce every replica holds the same sum: one check decides for all.
-        finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in grads])
-        tf.cond(finite, lambda: self._apply_finite(grads), self._skip_update)
+
+        def update():
+            if not self.options.loss_scale:
+                self.optimizer.apply_gradients(zip(grads, self._variables, strict=True))
+                return
+            # After the all-reduce every replica holds the same sum: one check decides for all.
+            finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in grads])
+            tf.cond(finite, lambda: self._apply_finite(grads), self._skip_update)
+
+        if weight is None:
+            update()
+        else:  # no real element in the update: nothing to learn, skipped (scale unchanged)
+            tf.cond(weight > 0, update, self._skip_empty_update)
+
+    def _skip_empty_update(self):
+        self._state.skipped_updates.assign_add(1)
 
     def _apply_finite(self, grads):
         self.optimizer.apply_gradients(zip(grads, self._variables, strict=True))
@@ -454,33 +463,3 @@ class Engine:
         # partial batch and pads with empty batches across workers); it adds nothing.
         empty = tf.zeros([len(self._metrics) + 2])
         return tf.cond(tf.shape(tf.nest.flatten(y)[0])[0] > 0, forward, lambda: empty)
-
-
-def sparse_accuracy(labels, outputs):
-    """1.0 where the arg-max of the outputs (logits or probabilities) equals the label."""
-    labels = tf.reshape(tf.cast(labels, tf.int64), [-1])  # [B] or [B, 1]
-    return tf.cast(tf.equal(tf.argmax(outputs, axis=-1), labels), tf.float32)
-
-
-def _check_arguments(model, optimizer, strategy, options, global_batch_size) -> None:
-    if not isinstance(options, EngineOptions):
-        raise TypeError(f"options must be an EngineOptions, got {type(options).__name__}")
-    if not isinstance(global_batch_size, int) or global_batch_size < 1:
-        raise ValueError(f"global_batch_size must be an int >= 1, got {global_batch_size!r}")
-    if not model.built or not model.trainable_variables:
-        raise ValueError("the model must be built (call it once) and have trainable variables")
-    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-        raise ValueError(
-            "pass the inner optimizer and EngineOptions(loss_scale=True), not a LossScaleOptimizer"
-        )
-    if optimizer.gradient_accumulation_steps:
-        raise ValueError(
-            "optimizer(gradient_accumulation_steps=...) fails under tf.distribute (keras#20582); "
-            "use EngineOptions(grad_accum_steps=...) instead"
-        )
-    for what, variable in (
-        ("model", model.trainable_variables[0]),
-        ("optimizer", optimizer.iterations),
-    ):
-        if not strategy.extended.variable_created_in_scope(variable.value):
-            raise ValueError(f"create the {what} under strategy.scope() of the engine's strategy")

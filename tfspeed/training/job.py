@@ -104,6 +104,8 @@ def _forward_flops(config: Config, replicas: int) -> float | None:
     if not os.path.exists(os.path.join(config.data.data_dir, schema_lib.SCHEMA_FILE)):
         return None  # the real build reports the missing data
     schema = schema_lib.read(config.data.data_dir)
+    if schema.text:
+        return None  # token batches vary in shape: sized as without a model
     shape = pipeline.input_shape(schema, config.data)
     return threads.forward_flops(lambda: models.build(config.model, shape, schema.num_outputs),
                                  shape, max(config.data.batch_size // replicas, 1))
@@ -115,6 +117,8 @@ def _build(config: Config, rt, lock: locks.Lock | None, converted_s: float = 0.0
 
     from tfspeed.data import job_input, pipeline
     from tfspeed.data import schema as schema_lib
+    from tfspeed.data import text as text_lib
+    from tfspeed.training import models
 
     prepare_seconds = converted_s + (_prepare_data(config) if rt.is_chief
                                      else _wait_for_data(config))
@@ -125,10 +129,14 @@ def _build(config: Config, rt, lock: locks.Lock | None, converted_s: float = 0.0
 
         service.check_reachable(data.data_service)
     num_train = schema.split(data.train_split).num_records
-    _check_batch(data.batch_size, num_train, rt.num_replicas, data.train_split)
     keras.utils.set_random_seed(data.seed)
     strategy = rt.strategy
-    inputs = job_input.build(config, schema, strategy, num_train)
+    if text_lib.is_text(schema):
+        _check_text_batch(_batching(config, rt, schema), schema, data.train_split)
+    else:
+        _check_batch(data.batch_size, num_train, rt.num_replicas, data.train_split)
+    inputs = job_input.build(config, schema, strategy, num_train,
+                             takes_segments=models.takes_segments(config.model.name))
     # The whole split unless --eval_steps caps it. Not a count computed here: with several
     # workers one may hold a batch more than another, and tf.distribute then runs every
     # worker until the last has no data (the others get empty batches).
@@ -168,13 +176,30 @@ def build_model(config: Config, rt, schema, input_shape: tuple[int, ...]):
     Returns:
       ``(model, objectives)``.
     """
+    from tfspeed.data import text
     from tfspeed.training import models, objectives
 
+    spec, extra = None, {}
+    if text.is_text(schema):
+        batching = _batching(config, rt, schema)
+        spec = {"vocab_size": schema.text["tokenizer"]["vocab_size"], "task": schema.task,
+                "max_length": batching.max_length, "max_segments": batching.max_segments}
+        extra = {"sequences": True}  # dict targets {"label", "weight"}, weighted exactly
     with rt.strategy.scope():
-        model = models.build(config.model, input_shape, schema.num_outputs)
+        model = models.build(config.model, input_shape, schema.num_outputs, text=spec)
     goals = objectives.resolve(config.train.loss, config.train.metrics or None, schema.task,
-                               model)
+                               model, **extra)
     return model, goals
+
+
+def _batching(config: Config, rt, schema):
+    """The token batching the job's input uses (``tfspeed.data.text.resolve``: the same
+    figures, so the model's positions and segments fit its batches)."""
+    from tfspeed.data import text
+    from tfspeed.training import models
+
+    return text.resolve(config.data, schema, models.takes_segments(config.model.name),
+                        rt.num_replicas)
 
 def build_engine(config: Config, rt, model, goals, preprocess=None,
                  total_updates: int = PROBE_UPDATES):
@@ -298,6 +323,19 @@ def _check_batch(batch_size: int, num_train: int, replicas: int, split: str) -> 
     if batch_size % replicas:
         raise UsageError(f"--batch_size={batch_size} does not split evenly over {replicas} "
                          f"replicas; use a multiple of {replicas}")
+
+def _check_text_batch(batching, schema, split: str) -> None:
+    """Batches of token records: the budget must fit the split (whole batches exist)."""
+    stats = schema.split(split).text or {}
+    sequences, tokens = schema.split(split).num_records, int(stats.get("tokens", 0))
+    if batching.mode == "pad" and batching.batch_size > sequences:
+        raise UsageError(f"--batch_size={batching.batch_size} is larger than the {sequences} "
+                         f"sequences of split {split!r}; lower --batch_size")
+    if batching.mode != "pad" and tokens and batching.tokens_per_batch > tokens:
+        raise UsageError(f"a batch of {batching.tokens_per_batch} tokens (--tokens_per_batch, "
+                         f"or --batch_size x --max_length) is more than the {tokens} tokens of "
+                         f"split {split!r}; lower --tokens_per_batch or --batch_size")
+
 
 def _prepare_data(config: Config) -> float:
     """Converts ``--prepare_source`` into the data dir if no finished conversion is there."""

@@ -15,9 +15,13 @@ class ThroughputMeter:
     The trainer calls ``tick`` only where it syncs with the device anyway (at log points),
     so measuring adds no host-device sync per step. Calls that are not the steady state
     (the one that traces and compiles the step, profiled ones) it syncs once and hands to
-    ``exclude``: counted in a window, the trace alone made a 3-epoch digits run report 3x
-    its real step time. ``summary`` is the median over the measured windows only, and says
-    when too few steps remain for it (``MIN_STEPS``).
+    ``exclude``: counted in a window, the trace alone made a short digits run report
+    several times its real step time. ``summary`` is the median over the measured windows
+    only, and says when too few steps remain for it (``MIN_STEPS``).
+
+    Token batches add ``tokens`` to each window, ``(real, computed, sequences)``: real tokens
+    per second and sequences per second are medians over the measured windows like
+    examples/s, and the padding fraction (1 - real / computed) is over the whole run.
 
     Args:
       global_batch_size: examples in one step.
@@ -30,6 +34,8 @@ class ThroughputMeter:
         self.global_batch_size = global_batch_size
         self.windows: list[tuple[int, float, float]] = []  # (steps, seconds, input wait s)
         self.excluded: list[tuple[int, float, float]] = []  # warm-up, the same way
+        self.window_tokens: list[tuple[int, int, int]] = []  # per window: real, computed, seqs
+        self.excluded_tokens: list[tuple[int, int, int]] = []
         self.writer = tf.summary.create_file_writer(log_dir) if log_dir else None
         self._writes: dict = {}  # sorted scalar names -> the compiled write
         self._start = time.perf_counter()
@@ -38,14 +44,18 @@ class ThroughputMeter:
         """Starts a new window now (e.g. after a pause for evaluation or tuning)."""
         self._start = time.perf_counter()
 
-    def exclude(self, steps: int, input_wait_s: float = 0.0) -> None:
-        """The ``steps`` steps since the last tick are warm-up: kept out of the figures; a
-        new window starts now. The caller has waited for them to finish."""
+    def exclude(self, steps: int, input_wait_s: float = 0.0,
+                tokens: tuple[int, int, int] = (0, 0, 0)) -> None:
+        """The ``steps`` steps since the last tick are warm-up: kept out of the figures (but
+        their ``tokens`` count in the padding fraction); a new window starts now. The caller
+        has waited for them to finish."""
         now = time.perf_counter()
         self.excluded.append((steps, now - self._start, input_wait_s))
+        self.excluded_tokens.append(tuple(tokens))
         self._start = now
 
-    def close(self, steps: int, input_wait_s: float = 0.0) -> dict[str, float]:
+    def close(self, steps: int, input_wait_s: float = 0.0,
+              tokens: tuple[int, int, int] = (0, 0, 0)) -> dict[str, float]:
         """Closes a measured window of ``steps`` steps ending now, without logging it (before
         a call to ``exclude``); returns its figures, like ``tick``."""
         now = time.perf_counter()
@@ -53,10 +63,13 @@ class ThroughputMeter:
         if not steps:
             return {}
         self.windows.append((steps, seconds, input_wait_s))
-        return _figures(steps, seconds, input_wait_s, self.global_batch_size)
+        self.window_tokens.append(tuple(tokens))
+        return {**_figures(steps, seconds, input_wait_s, self.global_batch_size),
+                **_token_figures(*tokens, seconds)}
 
     def tick(self, steps: int, step: int, input_wait_s: float = 0.0,
-             also: dict[str, float] | None = None) -> dict[str, float]:
+             also: dict[str, float] | None = None,
+             tokens: tuple[int, int, int] = (0, 0, 0)) -> dict[str, float]:
         """Closes a window of ``steps`` steps ending now.
 
         Args:
@@ -64,26 +77,29 @@ class ThroughputMeter:
           step: the global step at its end (the TensorBoard x axis).
           input_wait_s: seconds of the window the step spent waiting for its next batch.
           also: more scalars to log at this step (losses, metrics), in the same write.
+          tokens: ``(real, computed, sequences)`` of the window's token batches.
 
         Returns:
-          ``examples_per_sec``, ``step_time_ms`` and ``input_wait_pct`` of the window
-          (empty for a window of 0 steps).
+          ``examples_per_sec``, ``step_time_ms`` and ``input_wait_pct`` of the window, and
+          for token batches ``real_tokens_per_sec``, ``sequences_per_sec`` and
+          ``padding_fraction`` (empty for a window of 0 steps).
         """
-        figures = self.close(steps, input_wait_s)
+        figures = self.close(steps, input_wait_s, tokens)
         if self.scalars({**figures, **(also or {})}, step):
-            # Tracing the write (~0.1-0.2 s, once) is setup, like the first window's tracing:
-            # counted in the next window, it took a tiny model's second window to a third of
-            # its speed. Every later log point's cost stays in the windows.
+            # Tracing the write (once) is setup, like the first window's tracing: counted
+            # in the next window, it cut a tiny model's second window to a fraction of its
+            # speed. Every later log point's cost stays in the windows.
             self._start = time.perf_counter()
         return figures
 
     def scalars(self, values: dict[str, float], step: int) -> bool:
         """Writes ``values`` for TensorBoard in one compiled call; whether it had to trace it.
 
-        One ``tf.summary.scalar`` per value from Python cost ~0.5 ms each: 4 ms per log point,
-        6% of a tiny model's window of 100 steps. A function per set of names writes them all
-        in one call, called as its concrete function: tf.function's dispatch (signature
-        matching, the cache lookup) took 1 of the 1.4 ms a call cost.
+        One ``tf.summary.scalar`` per value from Python cost a tiny model a visible share of
+        its window of 100 steps. A function per set of names writes them all in one call,
+        called as its concrete function: tf.function's dispatch (signature matching, the
+        cache lookup) was most of what a call cost (measured once on 2 cores, not
+        benchmarked).
         """
         if not self.writer:
             return False
@@ -110,7 +126,9 @@ class ThroughputMeter:
         Returns:
           ``step_time_ms``, ``examples_per_sec``, ``input_wait_pct``, ``steps_measured``,
           ``steps_excluded`` (warm-up) and ``too_few_steps`` (fewer than ``MIN_STEPS``
-          measured: the figures are then over all steps, warm-up included, and no median).
+          measured: the figures are then over all steps, warm-up included, and no median);
+          for token batches also ``real_tokens_per_sec``, ``sequences_per_sec`` (the same
+          way) and ``padding_fraction`` (over every step of the run, warm-up included).
         """
         measured = sum(steps for steps, _, _ in self.windows)
         excluded = sum(steps for steps, _, _ in self.excluded)
@@ -127,8 +145,33 @@ class ThroughputMeter:
                 "input_wait_pct": 100 * statistics.median(
                     min(wait / seconds, 1.0) for _, seconds, wait in windows),
             }
-        return {**summary, "steps_measured": measured, "steps_excluded": excluded,
+        return {**summary, **self._token_summary(measured >= self.MIN_STEPS),
+                "steps_measured": measured, "steps_excluded": excluded,
                 "too_few_steps": measured < self.MIN_STEPS}
+
+    def _token_summary(self, enough: bool) -> dict:
+        everything = self.window_tokens + self.excluded_tokens
+        real, computed, sequences = (sum(t[i] for t in everything) for i in range(3))
+        if not computed:
+            return {}
+        if enough:
+            pairs = list(zip(self.window_tokens, self.windows, strict=True))
+            rates = {"real_tokens_per_sec": statistics.median(
+                         t[0] / max(w[1], 1e-9) for t, w in pairs),
+                     "sequences_per_sec": statistics.median(
+                         t[2] / max(w[1], 1e-9) for t, w in pairs)}
+        else:  # over everything there is, as the other figures
+            seconds = sum(w[1] for w in self.windows + self.excluded)
+            rates = _token_figures(real, computed, sequences, seconds)
+        return {**rates, "padding_fraction": 1.0 - real / computed}
+
+
+def _token_figures(real: int, computed: int, sequences: int, seconds: float) -> dict:
+    if not computed:
+        return {}
+    seconds = max(seconds, 1e-9)
+    return {"real_tokens_per_sec": real / seconds, "sequences_per_sec": sequences / seconds,
+            "padding_fraction": 1.0 - real / computed}
 
 
 def _figures(steps: int, seconds: float, input_wait_s: float, batch: int) -> dict[str, float]:

@@ -117,32 +117,65 @@ def _require_image(input_shape: Sequence[int], name: str) -> None:
         )
 
 
+def build_transformer(config: ModelConfig, input_shape, num_classes: int,
+                      text: dict | None = None) -> keras.Model:
+    """The pre-norm transformer (``tfspeed.training.transformer``) over a token schema's
+    dict input. ``text``: ``vocab_size``, ``task``, ``max_length`` and ``max_segments``
+    (from the schema and the resolved batching)."""
+    from tfspeed.training import transformer
+
+    if not text:
+        raise UsageError("--model=transformer takes token records (text): convert text with "
+                         "scripts/to_tfrecord.py --source=textfolder:... (or jsonl:, csv:)")
+    width, heads = config.width or 64, config.heads or 4
+    if width % heads:
+        raise UsageError(f"--heads={heads} must divide --width={width}")
+    return transformer.build_transformer(
+        int(text["vocab_size"]), num_classes, text["task"], width=width, depth=config.depth or 2,
+        heads=heads, max_length=int(text["max_length"]), max_segments=int(text["max_segments"]),
+        dropout=config.dropout)
+
+
 MODELS: dict[str, Builder] = {
     "mlp": build_mlp,
     "cnn": build_cnn,
     "resnet50": _application("resnet50", keras.applications.ResNet50, 32),
     "mobilenetv2": _application("mobilenetv2", keras.applications.MobileNetV2, 32),
+    "transformer": build_transformer,
 }
 
 
-def build(config: ModelConfig, input_shape, num_classes: int) -> keras.Model:
+def build(config: ModelConfig, input_shape, num_classes: int,
+          text: dict | None = None) -> keras.Model:
     """Builds the model named by ``config.name``: one of ``MODELS``, or the user's own
     ``package.module:function`` (``function(input_shape, num_outputs) -> keras.Model``).
 
     Args:
-      config: which model, its width and dropout.
+      config: which model, its width and dropout (and the transformer's depth and heads).
       input_shape: shape of one input example (no batch dimension); a dict name -> shape
         for several named inputs.
-      num_classes: the outputs the task needs (classes, or regression targets).
+      num_classes: the outputs the task needs (classes, regression targets, or an lm's
+        vocabulary).
+      text: for token records: ``vocab_size``, ``task``, ``max_length``, ``max_segments``.
+        Their input is ``{"tokens", "segment_ids", "positions"}``, each int32 of shape
+        ``(None,)`` (the batch contract of ``tfspeed.data.sequences``); a user's function
+        gets that dict as ``input_shape`` and must return logits ``[batch, S, num_outputs]``
+        for classification (S >= 1: one per sequence of a row, as ``segment_ids`` 1..S
+        number them; S = 1 unless packed) or ``[batch, T, num_outputs]`` for an lm.
 
     Returns:
       A ``keras.Model``; tfspeed's own produce float32 logits.
     """
     if is_user_model(config.name):
-        return build_user_model(config.name, input_shape, num_classes)
+        return build_user_model(config.name, input_shape, num_classes, text)
     if config.name not in MODELS:
         raise UsageError(f"--model={config.name!r} is not one of: {', '.join(MODELS)} "
                          "(or your own, as package.module:function)")
+    if config.name == "transformer" or text:
+        if config.name != "transformer":
+            raise UsageError(f"--model={config.name} does not take token records (text); use "
+                             "--model=transformer or your own model (package.module:function)")
+        return build_transformer(config, input_shape, num_classes, text)
     if isinstance(input_shape, dict):
         if config.name != "mlp":
             raise UsageError(f"--model={config.name} takes one input; the data has several "
@@ -155,9 +188,23 @@ def is_user_model(name: str) -> bool:
     return ":" in name
 
 
-def build_user_model(spec: str, input_shape, num_outputs: int) -> keras.Model:
-    """Calls the user's ``function(input_shape, num_outputs)`` and checks what comes back."""
+def takes_segments(name: str) -> bool:
+    """Whether model ``name`` keeps packed sequences apart (segment ids): the built-in
+    transformer does; a user's model is not assumed to."""
+    return name == "transformer"
+
+
+def build_user_model(spec: str, input_shape, num_outputs: int,
+                     text: dict | None = None) -> keras.Model:
+    """Calls the user's ``function(input_shape, num_outputs)`` and checks what comes back.
+
+    For token records ``input_shape`` is ``{"tokens": (None,), "segment_ids": (None,),
+    "positions": (None,)}`` (int32 [batch, T] each, see ``build``)."""
     from tfspeed.training.objectives import load_callable
+
+    if text:
+        return _build_user_text_model(load_callable(spec, "model"), spec, input_shape,
+                                      num_outputs)
 
     model = load_callable(spec, "model")(input_shape, num_outputs)
     if not isinstance(model, keras.Model):
@@ -184,3 +231,20 @@ def build_mlp_named(config: ModelConfig, input_shapes: dict, num_classes: int) -
     hidden = [keras.layers.Dense(width, activation="relu") for _ in range(2)]
     x = block(hidden, config.remat, "hidden")(x)
     return keras.Model(inputs, _classifier(x, config, num_classes), name="mlp")
+
+
+def _build_user_text_model(function, spec: str, input_shape, num_outputs: int) -> keras.Model:
+    import tensorflow as tf
+
+    model = function(input_shape, num_outputs)
+    if not isinstance(model, keras.Model):
+        raise UsageError(f"--model={spec} returned {type(model).__name__}, not a keras.Model; "
+                         "return one from function(input_shape, num_outputs)")
+    ones = tf.ones([1, 8], tf.int32)  # one real sequence of 8 tokens
+    probe = {"tokens": ones, "segment_ids": ones, "positions": tf.range(8)[None]}
+    shape = (None, *tf.nest.flatten(model(probe))[0].shape[1:])
+    if len(shape) != 3 or shape[-1] != num_outputs:
+        raise UsageError(f"--model={spec} outputs shape {shape}; token records need logits "
+                         f"(batch, S, {num_outputs}) for classification (S sequences per row) "
+                         f"or (batch, T, {num_outputs}) for an lm")
+    return model

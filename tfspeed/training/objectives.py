@@ -11,6 +11,16 @@ Defaults follow the task: sparse categorical cross-entropy and accuracy for clas
 mean squared error and mean absolute error for regression. Cross-entropies take logits or
 probabilities as the model gives them: a model whose last layer is a softmax or a sigmoid
 outputs probabilities, any other outputs logits (tfspeed's own models do).
+
+Token data (``sequences=True``: the targets are ``{"label", "weight"}``, see
+``tfspeed.training.transformer``) has a variable number of real elements per batch, so a
+per-example mean is not exact. There the objectives are *weighted*: the loss returns each
+element's loss already multiplied by its weight (0 at padding and absent sequences) and a
+metric each element's value times its weight; the engine divides their sums by the global
+weight sum of an update. The defaults are the cross-entropy per real token (``lm``) or per
+sequence (``classification``) and token or sequence accuracy. ``--loss=module:function`` is
+then ``fn(targets: dict, outputs) -> weighted per-element losses`` (any shape, summed), and a
+``--metrics=module:function`` likewise returns weighted per-element values.
 """
 
 from __future__ import annotations
@@ -22,11 +32,14 @@ import keras
 import tensorflow as tf
 
 from tfspeed.errors import UsageError
-from tfspeed.training.engine import sparse_accuracy
+from tfspeed.training import transformer
+from tfspeed.training.engine_state import sparse_accuracy
 
-TASKS = ("classification", "regression")
-DEFAULT_LOSS = {"classification": "sparse_categorical_crossentropy", "regression": "mse"}
-DEFAULT_METRICS = {"classification": ("accuracy",), "regression": ("mae",)}
+TASKS = ("classification", "regression", "lm")
+DEFAULT_LOSS = {"classification": "sparse_categorical_crossentropy", "regression": "mse",
+                "lm": "sparse_categorical_crossentropy"}
+DEFAULT_METRICS = {"classification": ("accuracy",), "regression": ("mae",), "lm": ("accuracy",)}
+_PER = {"lm": "per real token", "classification": "per sequence"}  # what a weight counts
 _CROSS_ENTROPIES = ("sparse_categorical_crossentropy", "categorical_crossentropy",
                     "binary_crossentropy")
 
@@ -40,17 +53,28 @@ class Objectives:
       metrics: name -> ``fn(labels, outputs) -> one value per example``.
       report: the names and decisions (logits or probabilities, output dtype), for
         report.json.
+      weighted: token data: ``loss`` and ``metrics`` take the targets dict and return
+        weighted per-element values, which the engine normalises by the global weight sum.
     """
 
     loss: Callable
     metrics: dict[str, Callable]
     report: dict
+    weighted: bool = False
 
 
 def resolve(loss: str | Callable, metrics: Sequence[str | Callable] | None, task: str,
-            model: keras.Model) -> Objectives:
+            model: keras.Model, sequences: bool = False) -> Objectives:
     """Resolves ``--loss`` ('' : the task's default) and ``--metrics`` (None: the task's
     defaults) for ``model``. Functions (per example) are taken as they are.
+
+    Args:
+      loss: a Keras loss name, ``package.module:function``, a function, or '' (default).
+      metrics: names or functions, or None (the task's defaults).
+      task: one of ``TASKS``; ``"lm"`` needs ``sequences``.
+      model: the model whose outputs the loss takes.
+      sequences: the data is token batches (``{"label", "weight"}`` targets): resolve the
+        weighted objectives (see the module docstring).
 
     Raises:
       UsageError: an unknown name, a module that does not import, a name that is not
@@ -58,6 +82,10 @@ def resolve(loss: str | Callable, metrics: Sequence[str | Callable] | None, task
     """
     if task not in TASKS:
         raise UsageError(f"task {task!r} is not one of: {', '.join(TASKS)}")
+    if sequences:
+        return _resolve_weighted(loss, metrics, task, model)
+    if task == "lm":
+        raise UsageError("task 'lm' needs token data (a dataset converted from text)")
     probabilities = outputs_probabilities(model)
     loss_name = _name(loss) if callable(loss) else loss or DEFAULT_LOSS[task]
     loss_fn = loss if callable(loss) else _loss(loss_name, probabilities)
@@ -74,6 +102,41 @@ def resolve(loss: str | Callable, metrics: Sequence[str | Callable] | None, task
         report["output_cast"] = f"the model outputs {report['output_dtype']}: cast to float32 " \
                                 "before the loss"
     return Objectives(loss_fn, resolved, report)
+
+
+def _resolve_weighted(loss, metrics, task: str, model: keras.Model) -> Objectives:
+    """``resolve`` for token batches: weighted per-element loss and metrics."""
+    if task not in _PER:
+        raise UsageError(f"token data trains task 'lm' or 'classification', not {task!r}")
+    loss_name = _name(loss) if callable(loss) else loss or DEFAULT_LOSS[task]
+    if callable(loss) or ":" in loss_name:
+        loss_fn = loss if callable(loss) else load_callable(loss_name, "loss")
+    elif loss_name != "sparse_categorical_crossentropy":
+        raise UsageError(f"--loss={loss_name}: token data trains with "
+                         "sparse_categorical_crossentropy or package.module:function "
+                         "(targets dict, outputs) -> per-element losses times targets['weight']")
+    elif outputs_probabilities(model):
+        raise UsageError("token data needs a model that outputs logits (its last layer has no "
+                         "softmax): the weighted cross-entropy takes logits")
+    else:
+        loss_fn = transformer.weighted_sparse_ce
+    resolved = {}
+    for spec in DEFAULT_METRICS[task] if metrics is None else tuple(metrics):
+        if callable(spec) or ":" in spec:
+            resolved[_name(spec)] = spec if callable(spec) else load_callable(spec, "metrics")
+        elif spec in ("accuracy", "acc"):
+            resolved[spec] = transformer.weighted_correct
+        else:
+            raise UsageError(f"--metrics={spec}: token data takes accuracy or "
+                             "package.module:function (targets dict, outputs) -> per-element "
+                             "values times targets['weight']")
+    dtype = str(model.outputs[0].dtype) if getattr(model, "outputs", None) else "float32"
+    per = _PER[task]
+    report = {"task": task, "loss": f"{loss_name} ({per})",
+              "metrics": [f"{name} ({per})" for name in resolved], "outputs": "logits",
+              "output_dtype": dtype.split(".")[-1],
+              "normalisation": f"sums over an update divided by its weight sum ({per})"}
+    return Objectives(loss_fn, resolved, report, weighted=True)
 
 
 def outputs_probabilities(model: keras.Model) -> bool:

@@ -25,6 +25,9 @@ def summary_lines(report: dict) -> list[str]:
         + f"updates={report['optimizer_updates']}",
         _throughput_line(report),
     ]
+    if report.get("compiled_functions", 0) > 1:  # each retrace (new input shape) costs a compile
+        lines.append(f"training step traced {report['compiled_functions']} times (once per "
+                     "input shape)")
     if "peak_host_rss_mb" in report:
         lines.append(f"peak host memory: {report['peak_host_rss_mb'] / 1024:.2f} GB")
     runtime = report.get("runtime", {})
@@ -45,6 +48,15 @@ def _throughput_line(report: dict) -> str:
         return (f"throughput: too few steps measured ({report['steps_measured']}) for a median"
                 f"{left_out}; over all steps: {report['step_time_ms']:.2f} ms/step, warm-up "
                 "included")
-    return (f"throughput: {report['examples_per_sec']:.0f} examples/s, "
-            f"{report['step_time_ms']:.2f} ms/step, {report['input_wait_pct']:.0f}% waiting for "
+    speed = f"{report['examples_per_sec']:.0f} examples/s"
+    if "real_tokens_per_sec" in report:  # token batches: rows are not what was learnt from
+        speed = (f"{_thousands(report['real_tokens_per_sec'])} real tokens/s "
+                 f"({report['padding_fraction']:.0%} padding), "
+                 f"{report['sequences_per_sec']:,.0f} sequences/s")
+    return (f"throughput: {speed}, {report['step_time_ms']:.2f} ms/step, {report['input_wait_pct']:.0f}% waiting for "
             f"input (median over {report['steps_measured']} steps{left_out})")
+
+
+def _thousands(value: float) -> str:
+    """41234.5 -> '41k'; below 10,000 the number itself ('3,100')."""
+    return f"{value / 1000:,.0f}k" if value >= 10_000 else f"{value:,.0f}"

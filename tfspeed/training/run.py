@@ -66,6 +66,7 @@ def _train_and_report(job: Job) -> dict:
         "skipped_updates": result.skipped_updates,
         "resumed_from_update": result.resumed_from_update,
         "steps_per_execution": result.steps_per_execution,
+        "compiled_functions": result.compiled_functions,
         "learning_rate": result.learning_rate,
         "profile": result.profile,
         "peak_host_rss_mb": system.peak_rss_mb(),
@@ -78,8 +79,7 @@ def _train_and_report(job: Job) -> dict:
         "data_service": service_counts,
         "weights_sha256": weights,
         "saved": saved,
-        "dataset": {"source": schema.source, "num_train": num_train,
-                    "num_classes": schema.num_classes, "input_shape": list(input_shape)},
+        "dataset": _dataset_report(schema, config, num_train, input_shape),
         "config": config.to_json(),
     }
     path = report.write(config.model_dir, out)
@@ -118,3 +118,17 @@ def _service_report(data, rt) -> dict:
             for name, value in sorted(counts.items())}}
     return {"address": data.data_service, "sharding": data.data_service_sharding,
             "splits": splits}
+
+
+def _dataset_report(schema, config, num_train: int, input_shape) -> dict:
+    """report.json's ``dataset``: what was trained on (for text: task, vocabulary and the
+    train split's token statistics)."""
+    out = {"source": schema.source, "num_train": num_train, "num_classes": schema.num_classes,
+           "input_shape": ({k: list(v) for k, v in input_shape.items()}
+                           if isinstance(input_shape, dict) else list(input_shape))}
+    if schema.text:
+        stats = dict(schema.split(config.data.train_split).text or {})
+        stats.pop("lengths", None)  # per-length counts: in schema.json, too long for here
+        out.update(task=schema.task, vocab_size=schema.text["tokenizer"]["vocab_size"],
+                   tokens=stats)
+    return out

@@ -1,9 +1,10 @@
 """Trainer: the optimisation loop around ``tfspeed.training.engine.Engine``. Knows nothing of features.
 
-Stock ``model.fit`` fails under MirroredStrategy with gradient accumulation, ``jit_compile``
-or ``steps_per_execution > 1`` (see NOTES.md), so training runs on the engine; this module
-adds what a run needs around it: the learning-rate schedule, checkpoints and resumption,
-the steps_per_execution tuner, progress, TensorBoard scalars and throughput.
+Stock ``model.fit`` fails under MirroredStrategy with gradient accumulation (keras#20582),
+``jit_compile`` (keras#19005) or ``steps_per_execution > 1``, so training runs on the engine
+(`tfspeed.training.engine` says how it avoids each); this module adds what a run needs
+around it: the learning-rate schedule, checkpoints and resumption, the steps_per_execution
+tuner, progress, TensorBoard scalars and throughput.
 
 Fault tolerance: checkpoints hold the input position where tf.data can save it, so a killed
 run resumes without repeating or skipping data; SIGTERM/SIGINT end the current execution,
@@ -31,11 +32,12 @@ from tfspeed.runtime import Runtime
 from tfspeed.training import meters
 from tfspeed.training.checkpoints import Checkpoints, LossDiverged  # noqa: F401 -- re-exported
 from tfspeed.training.engine import Engine, EngineOptions
+from tfspeed.training.optimizers import (
+    make_optimizer,
+    peak_learning_rate,
+)
 from tfspeed.tuning import autotune
 from tfspeed.util import locks
-
-# Linear scaling rule (Goyal et al. 2017): the learning rate is given for this batch size.
-REFERENCE_BATCH = 256
 
 
 class Stopped(Exception):
@@ -69,6 +71,8 @@ class FitResult:
       learning_rate: the peak learning rate after batch scaling.
       profile: the profiler summary (empty without ``profile_steps``).
       seconds: wall time per phase.
+      compiled_functions: traces of the engine's training step (one per input signature:
+        with static bucket shapes, at most one per bucket).
     """
 
     train_metrics: dict
@@ -83,49 +87,7 @@ class FitResult:
     learning_rate: float
     profile: dict
     seconds: dict
-
-
-def peak_learning_rate(config: TrainConfig, global_batch_size: int) -> float:
-    """``learning_rate``, scaled by effective batch / 256 with ``scale_lr_with_batch``."""
-    if not config.scale_lr_with_batch:
-        return config.learning_rate
-    return config.learning_rate * global_batch_size * config.grad_accum_steps / REFERENCE_BATCH
-
-
-class WarmupConstant(keras.optimizers.schedules.LearningRateSchedule):
-    """Linear warm-up from 0 to ``rate`` over ``warmup_steps`` updates, then constant."""
-
-    def __init__(self, rate: float, warmup_steps: int):
-        self.rate, self.warmup_steps = rate, warmup_steps
-
-    def __call__(self, step):
-        step = tf.cast(step, tf.float32)
-        return self.rate * tf.minimum(1.0, (step + 1.0) / float(max(self.warmup_steps, 1)))
-
-    def get_config(self):
-        return {"rate": self.rate, "warmup_steps": self.warmup_steps}
-
-
-def make_optimizer(config: TrainConfig, total_updates: int, global_batch_size: int):
-    """The optimizer, with its schedule counted in updates (never micro-batches)."""
-    rate = peak_learning_rate(config, global_batch_size)
-    warmup = min(config.warmup_steps, total_updates)
-    if config.lr_schedule == "cosine":
-        schedule = keras.optimizers.schedules.CosineDecay(
-            initial_learning_rate=0.0 if warmup else rate,
-            decay_steps=max(total_updates - warmup, 1),
-            warmup_target=rate if warmup else None,
-            warmup_steps=warmup,
-        )
-    elif warmup:
-        schedule = WarmupConstant(rate, warmup)
-    else:
-        schedule = rate
-    if config.optimizer == "sgd":
-        return keras.optimizers.SGD(schedule, momentum=0.9, nesterov=True)
-    if config.optimizer == "adamw":
-        return keras.optimizers.AdamW(schedule)
-    return keras.optimizers.Adam(schedule)
+    compiled_functions: int = 0
 
 
 def make_engine(model: keras.Model, objectives, config: TrainConfig, runtime: Runtime,
@@ -160,6 +122,7 @@ def make_engine(model: keras.Model, objectives, config: TrainConfig, runtime: Ru
                           xla=runtime.xla, loss_scale=runtime.plan.loss_scale),
             global_batch_size=global_batch_size, preprocess=preprocess,
             metrics=objectives.metrics,
+            weighted=getattr(objectives, "weighted", False),
         )
     engine.objectives = objectives  # what it trains on, for the reports of probes
     return engine
@@ -288,6 +251,7 @@ def _fit(engine, train_data, eval_data, config, runtime, steps_per_epoch, eval_s
         learning_rate=peak_learning_rate(config, global_batch_size),
         profile=loop.profile.summary if loop.profile else {},
         seconds={"fit": fit_seconds, "evaluate": time.perf_counter() - start},
+        compiled_functions=engine.compiled_functions,
     )
 
 
@@ -353,6 +317,7 @@ class _Loop:
         self._warm = False  # whether the step function has been traced (by a call)
         self._logged = self._measured_from = 0  # micro-steps at the last log / measured since
         self._waited = 0.0
+        self._tokens = None  # device-side (real, computed, sequences) since the last window
 
     def run(self, iterator, checkpoints, stop) -> None:
         done = int(self.engine.micro_steps.numpy())  # > 0 after a resume
@@ -385,6 +350,7 @@ class _Loop:
         """
         self.meter.restart()
         self._measured_from, self._waited, out = done, 0.0, None
+        self._tokens = None
         while done < until and not stop.signum:
             n = min(spe, until - done)
             profiled = bool(self.profile) and self.profile.covers(done)
@@ -416,19 +382,29 @@ class _Loop:
         else:
             out = self.engine.train(iterator, n)
         self._waited = self._waited + out["input_wait_s"]  # a device-side sum: no sync
+        counts = (out["real_tokens"], out["computed_tokens"], out["sequences"])
+        self._tokens = counts if self._tokens is None else tuple(
+            a + b for a, b in zip(self._tokens, counts, strict=True))
         return out
+
+    def _take_tokens(self) -> tuple[int, int, int]:
+        """The token counts since the last window (at a sync point), and a new start."""
+        tokens, self._tokens = self._tokens or (0, 0, 0), None
+        return tuple(int(t) for t in tokens)
 
     def _close_measured(self, out, done: int) -> None:
         """Before a warm-up call: the measured calls since the last log form a window."""
         if out is not None and done > self._measured_from:
             out["loss"].numpy()  # they have finished
-            self.meter.close(done - self._measured_from, float(self._waited))
+            self.meter.close(done - self._measured_from, float(self._waited),
+                             self._take_tokens())
             self._measured_from, self._waited = done, 0.0
 
     def _exclude(self, out, done: int) -> None:
         """Leaves the call that just ended out of the throughput figures (warm-up)."""
         out["loss"].numpy()  # its time must not spill into the next measured call
-        self.meter.exclude(done - self._measured_from, float(self._waited))
+        self.meter.exclude(done - self._measured_from, float(self._waited),
+                           self._take_tokens())
         self._measured_from, self._waited = done, 0.0
 
     def _log(self, out, done: int, steps: int, waited: float) -> None:
@@ -438,14 +414,16 @@ class _Loop:
         metrics = {name: values[name] for name in ("loss", *self.engine.metric_names)}
         figures = self.meter.tick(steps, done, waited, also={
             **metrics, "learning_rate": float(lr.numpy() if hasattr(lr, "numpy") else lr),
-            "loss_scale": values["loss_scale"]})
+            "loss_scale": values["loss_scale"]}, tokens=self._take_tokens())
         self.last_metrics = metrics
         # A window of warm-up calls only has no speed of its own (None; the progress bar
         # leaves it out).
         speed = {"examples/s": figures.get("examples_per_sec"),
                  "input wait %": figures.get("input_wait_pct")}
         self.history.append({"update": updates, "micro_step": done, **metrics,
-                             "examples_per_sec": speed["examples/s"]})
+                             "examples_per_sec": speed["examples/s"],
+                             **({"real_tokens_per_sec": figures["real_tokens_per_sec"]}
+                                if "real_tokens_per_sec" in figures else {})})
         self.progbar.update(updates, [*metrics.items(),
                                       *((k, v) for k, v in speed.items() if figures)])
         if not self.progbar.verbose:

@@ -1,0 +1,214 @@
+"""The text pipeline on a real corpus (Python's json and logging sources, converted by the
+real converter): every batching mode keeps the batch contract, the promised static shapes
+and padding, sees every token once per epoch, is seeded, and splits evenly over replicas."""
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfspeed.data
+from tfspeed.config import DataConfig
+from tfspeed.data import schema as schema_lib
+from tfspeed.data import text
+
+MAX_LENGTH = 256
+
+
+def _convert(out, *extra):
+    subprocess.run([sys.executable, "scripts/to_tfrecord.py", "--source=pystdlib:json,logging",
+                    f"--output={out}", "--tokenizer=bpe:500", f"--max_length={MAX_LENGTH}",
+                    "--long=split", *extra], check=True, capture_output=True)
+    return str(out)
+
+
+@pytest.fixture(scope="session")
+def text_dir(tmp_path_factory):
+    return _convert(tmp_path_factory.mktemp("text") / "cls")
+
+
+@pytest.fixture(scope="session")
+def lm_dir(tmp_path_factory):
+    return _convert(tmp_path_factory.mktemp("text") / "lm", "--task=lm")
+
+
+def _token_counts(batches, vocab):
+    counts = np.zeros(vocab, np.int64)
+    for x, _ in batches:
+        real = x["segment_ids"].numpy() > 0
+        np.add.at(counts, x["tokens"].numpy()[real], 1)
+    return counts
+
+
+def _reference_counts(data_dir, split, vocab, lm):
+    """Token ids of the split's records, read straight from the shards (no batching)."""
+    schema = schema_lib.read(data_dir)
+    counts = np.zeros(vocab, np.int64)
+    for path in schema.shard_paths(data_dir, split):
+        for record in tf.data.TFRecordDataset(path):
+            example = tf.train.Example.FromString(record.numpy())
+            tokens = np.asarray(example.features.feature["tokens"].int64_list.value)
+            np.add.at(counts, tokens[:-1] if lm else tokens, 1)
+    return counts
+
+
+def _check_contract(x, y, lm):
+    assert set(x) == {"tokens", "segment_ids", "positions"} and set(y) == {"label", "weight"}
+    for value in x.values():
+        assert value.dtype == tf.int32 and value.shape == x["tokens"].shape
+    assert y["label"].dtype == tf.int32 and y["weight"].dtype == tf.float32
+    b, t = x["tokens"].shape
+    assert y["label"].shape[0] == b and (y["label"].shape[1] == t if lm else True)
+    real = x["segment_ids"].numpy() > 0
+    assert (x["tokens"].numpy()[~real] == 0).all() and (x["positions"].numpy()[~real] == 0).all()
+    if lm:
+        np.testing.assert_array_equal(y["weight"].numpy() > 0, real)
+
+
+@pytest.mark.parametrize("lm", [False, True], ids=["classification", "lm"])
+@pytest.mark.parametrize("mode", ["pad", "bucket", "pack"])
+def test_each_mode_keeps_the_contract_and_its_shapes(text_dir, lm_dir, mode, lm):
+    data_dir = lm_dir if lm else text_dir
+    schema = schema_lib.read(data_dir)
+    batching = text.resolve(DataConfig(data_dir=data_dir, batch_size=16, batching=mode), schema)
+    ds = tfspeed.data.build(data_dir, "train", 16, training=True, batching=mode)
+    widths = set()
+    for x, y in ds.take(12):
+        _check_contract(x, y, lm)
+        widths.add(x["tokens"].shape[1])
+        if mode == "pack":
+            assert x["tokens"].shape == (batching.rows_per_batch, MAX_LENGTH)
+            assert ds.element_spec[0]["tokens"].shape == (batching.rows_per_batch, MAX_LENGTH)
+        if mode == "pad":
+            assert x["tokens"].shape[0] == 16
+    if mode == "bucket":
+        assert widths <= set(batching.boundaries) and len(batching.boundaries) >= 2
+
+
+def _padding(batches):
+    real = computed = 0
+    for x, _ in batches:
+        segments = x["segment_ids"].numpy()
+        real, computed = real + (segments > 0).sum(), computed + segments.size
+    return 1 - real / computed, real
+
+
+@pytest.mark.parametrize("mode, most", [("pack", 0.03), ("bucket", 0.10)])
+def test_padding_over_an_epoch_of_tokens(text_dir, mode, most):
+    tokens = schema_lib.read(text_dir).split("train").text["tokens"]
+    ds = tfspeed.data.build(text_dir, "train", 16, training=True, batching=mode)
+    seen, batches = 0, []
+    for batch in ds:
+        batches.append(batch)
+        seen += int((batch[0]["segment_ids"].numpy() > 0).sum())
+        if seen >= tokens:
+            break
+    padding, _ = _padding(batches)
+    assert padding <= most, f"{mode}: {padding:.1%} padding"
+
+
+@pytest.mark.parametrize("lm", [False, True], ids=["classification", "lm"])
+@pytest.mark.parametrize("mode", ["pad", "bucket", "pack"])
+def test_an_epoch_sees_every_token_once_and_eval_drops_nothing(text_dir, lm_dir, mode, lm):
+    data_dir = lm_dir if lm else text_dir
+    vocab = schema_lib.read(data_dir).text["tokenizer"]["vocab_size"]
+    # max_length 48 < the conversion's 256: pack and the other modes split the long ones.
+    ds = tfspeed.data.build(data_dir, "validation", 16, batching=mode, max_length=48,
+                            long="split")
+    batches = list(ds)
+    np.testing.assert_array_equal(_token_counts(batches, vocab),
+                                  _reference_counts(data_dir, "validation", vocab, lm))
+    rows = {x["tokens"].shape[0] for x, _ in batches}
+    if mode != "bucket":
+        assert len(rows) == 1  # the last batch is filled with empty rows, not short
+    assert all(x["tokens"].shape[1] <= 48 for x, _ in batches)
+    again = list(tfspeed.data.build(data_dir, "validation", 16, batching=mode, max_length=48))
+    for (a, _), (b, _) in zip(batches, again, strict=True):  # finite and in a fixed order
+        np.testing.assert_array_equal(a["tokens"], b["tokens"])
+
+
+def test_training_is_seeded(text_dir):
+    def first(seed):
+        ds = tfspeed.data.build(text_dir, "train", 16, training=True, batching="pack",
+                                seed=seed, deterministic=True)
+        return [x["tokens"].numpy() for x, _ in ds.take(3)]
+
+    a, b, c = first(1), first(1), first(2)
+    for x, y in zip(a, b, strict=True):
+        np.testing.assert_array_equal(x, y)
+    assert any(not np.array_equal(x, y) for x, y in zip(a, c, strict=True))
+
+
+def test_auto_packs_for_segment_models_and_cites_the_padding(text_dir):
+    schema = schema_lib.read(text_dir)
+    mode, reason = text.choose_batching(schema, "train", takes_segments=True)
+    assert mode == "pack" and "expected padding" in reason and "%" in reason
+    mode, reason = text.choose_batching(schema, "train", takes_segments=False)
+    padding = text.resolve(DataConfig(data_dir=text_dir, batch_size=32), schema).expected_padding
+    # The corpus mixes 3-line helpers with whole classes: bucketing pays.
+    assert mode == ("bucket" if padding["bucket"] <= padding["pad"] / 2 else "pad")
+    assert f"{padding['pad']:.0%}" in reason and f"{padding['bucket']:.0%}" in reason
+    assert padding["bucket"] <= text.BUCKET_PADDING_TARGET
+    resolved = text.resolve(DataConfig(data_dir=text_dir, batch_size=32), schema, True)
+    assert resolved.mode == "pack" and resolved.max_length == MAX_LENGTH
+    assert resolved.tokens_per_batch == 32 * MAX_LENGTH and resolved.max_segments == MAX_LENGTH // 8
+
+
+def test_max_length_defaults_to_the_longest_when_the_conversion_set_none(text_dir):
+    schema = schema_lib.read(text_dir)
+    counts = text.length_counts(schema, "train")
+    plain = schema_lib.Schema(**{**schema.__dict__, "text": {**schema.text, "max_length": 0}})
+    assert text.resolve_max_length(plain, counts) == -(-int(np.flatnonzero(counts)[-1]) // 8) * 8
+
+
+def test_memory_cache_holds_the_examples_and_changes_no_batch(text_dir):
+    from tfspeed.data import plan
+
+    schema = schema_lib.read(text_dir)
+    config = DataConfig(data_dir=text_dir, batch_size=16, cache="memory")
+    estimate = plan.plan_cache(config, schema, "train", True).estimate_mb
+    tokens = schema.split("train").text["tokens"]
+    assert tokens * 4 / 2**20 <= estimate < tokens * 8 / 2**20  # int32 examples, not bytes
+
+    def batches(cache):  # the first epoch: after it, an uncached read reshuffles its files
+        ds = tfspeed.data.build(text_dir, "train", 16, training=True, batching="bucket",
+                                cache=cache, seed=3, deterministic=True)
+        return [x["tokens"].numpy() for x, _ in ds.take(8)]
+
+    for a, b in zip(batches("memory"), batches("none"), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("mode", ["pad", "bucket", "pack"])
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+def test_mirrored_replicas_get_equal_static_shares(text_dir, mode, training):
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    config = DataConfig(data_dir=text_dir, batch_size=16, batching=mode)
+    split = "train" if training else "validation"
+    ds = strategy.distribute_datasets_from_function(
+        lambda ctx: tfspeed.data.build_from_config(config, split, training=training,
+                                                   input_context=ctx))
+    steps = 0
+    for x, y in ds:
+        shapes = [tuple(t.shape) for t in strategy.experimental_local_results(x["tokens"])]
+        assert len(shapes) == 2 and shapes[0] == shapes[1] and shapes[0][0] > 0
+        labels = [tuple(t.shape) for t in strategy.experimental_local_results(y["label"])]
+        assert labels[0] == labels[1]
+        steps += 1
+        if steps == 6:
+            break
+    assert steps >= 2
+
+
+def test_placement_is_the_host_for_text_and_device_is_refused(text_dir):
+    from tfspeed.data import ingraph
+    from tfspeed.errors import UsageError
+
+    schema = schema_lib.read(text_dir)
+    config = DataConfig(data_dir=text_dir, batch_size=16)
+    placement = ingraph.choose("auto", config, schema, "train")
+    assert placement.where == "host" and "token records" in placement.reason
+    with pytest.raises(UsageError, match="token records"):
+        ingraph.choose("device", config, schema, "train")

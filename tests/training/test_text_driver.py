@@ -1,0 +1,109 @@
+"""The driver on token records (Python's json and logging sources, converted by the real
+converter): the transformer trains under each batching mode for classification and lm,
+resumes exactly, and trains mirrored over two CPU replicas; report.json says how it batched."""
+
+import math
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import tensorflow as tf
+
+from tfspeed.config import Config, DataConfig, ModelConfig, RuntimeConfig, TrainConfig
+from tfspeed.errors import UsageError
+from tfspeed.training.run import run
+
+
+def _convert(out, *extra):
+    subprocess.run([sys.executable, "scripts/to_tfrecord.py", "--source=pystdlib:json,logging",
+                    f"--output={out}", "--tokenizer=bpe:300", "--max_length=64",
+                    "--long=split", *extra], check=True, capture_output=True)
+    return str(out)
+
+
+@pytest.fixture(scope="session")
+def corpora(tmp_path_factory):
+    root = tmp_path_factory.mktemp("driver_text")
+    return {"classification": _convert(root / "cls"), "lm": _convert(root / "lm", "--task=lm")}
+
+
+def _config(data_dir, model_dir, *, batching="auto", steps=6, strategy="default", replicas=0,
+            model="transformer", every=0, eval_split="validation"):
+    return Config(
+        data=DataConfig(data_dir=data_dir, batch_size=8, batching=batching, cache="memory",
+                        shuffle=False, eval_split=eval_split),
+        model=ModelConfig(name=model, width=16, depth=1, heads=2),
+        runtime=RuntimeConfig(strategy=strategy, cpu_replicas=replicas, precision="float32",
+                              xla="off", intra_op_threads=0),
+        train=TrainConfig(train_steps=steps, steps_per_execution=1, learning_rate=0.01,
+                          log_every=2, checkpoint_every=every),
+        model_dir=str(model_dir),
+    ).validate()
+
+
+@pytest.mark.parametrize("task", ["classification", "lm"])
+@pytest.mark.parametrize("batching", ["pad", "bucket", "pack"])
+def test_each_batching_trains_and_reports(corpora, tmp_path, task, batching):
+    report = run(_config(corpora[task], tmp_path, batching=batching))
+    assert report["optimizer_updates"] == 6
+    assert all(math.isfinite(v) for v in report["train_metrics"].values()
+               if isinstance(v, float))
+    chosen = report["input"]["batching"]
+    assert chosen["mode"] == batching and chosen["max_length"] == 64
+    assert chosen["tokens_per_batch"] == 8 * 64 and "expected_padding" in chosen
+    assert report["input"]["placement"]["where"] == "host"
+    dataset = report["dataset"]
+    assert dataset["task"] == task and dataset["vocab_size"] == 300
+    assert dataset["tokens"]["tokens"] > 0 and "lengths" not in dataset["tokens"]
+
+
+def test_auto_packs_for_the_transformer(corpora, tmp_path):
+    report = run(_config(corpora["classification"], tmp_path, steps=2))
+    batching = report["input"]["batching"]
+    assert batching["mode"] == "pack" and "segment ids" in batching["reason"]
+
+
+def _checkpoint_files(model_dir):
+    return sorted(os.listdir(os.path.join(model_dir, "checkpoints")))
+
+
+def test_pack_resumes_exactly(corpora, tmp_path):
+    data = corpora["lm"]
+    straight = run(_config(data, tmp_path / "straight", batching="pack", steps=10, every=3,
+                           eval_split=""))
+    # A run stopped at 6 updates (its last checkpoint), then rerun to the total of 10.
+    cut = tmp_path / "cut"
+    run(_config(data, cut, batching="pack", steps=6, every=3, eval_split=""))
+    resumed = run(_config(data, cut, batching="pack", steps=10, every=3, eval_split=""))
+    assert resumed["resumed_from_update"] == 6
+    assert resumed["weights_sha256"] == straight["weights_sha256"]
+    # And one killed between checkpoints (after ckpt-9, before the final one) finishes alike.
+    killed = tmp_path / "killed"
+    shutil.copytree(tmp_path / "straight", killed)
+    for name in os.listdir(killed / "checkpoints"):
+        if name.startswith("ckpt-10."):
+            os.remove(killed / "checkpoints" / name)
+    prefix = str(killed / "checkpoints" / "ckpt-")
+    kept = [prefix + n for n in ("3", "6", "9")
+            if os.path.exists(f"{prefix}{n}.index")]
+    tf.compat.v1.train.update_checkpoint_state(str(killed / "checkpoints"), kept[-1],
+                                               all_model_checkpoint_paths=kept)
+    again = run(_config(data, killed, batching="pack", steps=10, every=3, eval_split=""))
+    assert again["resumed_from_update"] == 9
+    assert again["weights_sha256"] == straight["weights_sha256"]
+
+
+@pytest.mark.parametrize("batching", ["pack", "bucket"])
+def test_mirrored_trains(corpora, tmp_path, batching):
+    report = run(_config(corpora["classification"], tmp_path, batching=batching,
+                         strategy="mirrored", replicas=2))
+    assert report["optimizer_updates"] == 6 and report["runtime"]["num_replicas"] == 2
+    assert all(math.isfinite(v) for v in report["train_metrics"].values()
+               if isinstance(v, float))
+
+
+def test_an_image_model_on_text_is_refused_in_one_line(corpora, tmp_path):
+    with pytest.raises(UsageError, match="does not take token records"):
+        run(_config(corpora["classification"], tmp_path, model="mlp", steps=1))

@@ -1,0 +1,155 @@
+"""The engine's options and the state it keeps between calls: counters, gradient
+accumulators, the weight sum of a weighted update and the loss scale, all trackable so that a
+checkpoint holds a half-accumulated update. Also the per-batch helpers the step uses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+import keras
+import tensorflow as tf
+
+_ONLY_FIRST = tf.VariableAggregation.ONLY_FIRST_REPLICA
+
+
+def ensure_cpu_devices(n: int = 2) -> int:
+    """Splits the first physical CPU into `n` logical devices, if TF still allows it.
+
+    Must run before any op; if TF is already initialised (or the split was made already) the
+    existing devices are kept.
+
+    Returns:
+        The number of logical CPU devices.
+    """
+    cpus = tf.config.list_physical_devices("CPU")
+    try:
+        if len(tf.config.get_logical_device_configuration(cpus[0]) or ()) < n:
+            tf.config.set_logical_device_configuration(
+                cpus[0], [tf.config.LogicalDeviceConfiguration()] * n
+            )
+    except RuntimeError:  # "Virtual devices cannot be modified after being initialized"
+        pass
+    return len(tf.config.list_logical_devices("CPU"))
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineOptions:
+    """How `Engine` runs training.
+
+    Attributes:
+        grad_accum_steps: micro-batches per optimizer update (K). K micro-batches of global size
+            b give the update of one batch of size K*b.
+        steps_per_execution: micro-steps run by one `Engine.train` call (one `tf.function` call).
+            Need not be a multiple of `grad_accum_steps`: accumulation spans calls.
+        xla: compile the per-replica forward+backward with XLA.
+        loss_scale: dynamic loss scaling (use with mixed_float16).
+        initial_loss_scale: starting scale (Keras' default).
+        loss_scale_growth_interval: finite updates in a row after which the scale doubles.
+    """
+
+    grad_accum_steps: int = 1
+    steps_per_execution: int = 1
+    xla: bool = False
+    loss_scale: bool = False
+    initial_loss_scale: float = 2.0**15
+    loss_scale_growth_interval: int = 2000
+
+    def __post_init__(self):
+        for name in ("grad_accum_steps", "steps_per_execution", "loss_scale_growth_interval"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"EngineOptions.{name} must be an int >= 1, got {value!r}")
+        if not self.initial_loss_scale >= 1:
+            raise ValueError(
+                f"EngineOptions.initial_loss_scale must be >= 1, got {self.initial_loss_scale!r}"
+            )
+
+
+class EngineState(tf.Module):
+    """The engine's variables, trackable so a checkpoint holds a half-accumulated update."""
+
+    def __init__(self, trainable_variables: list, options: EngineOptions,
+                 weighted: bool = False):
+        super().__init__(name="engine")
+        counter = dict(trainable=False, dtype=tf.int64, aggregation=_ONLY_FIRST)
+        self.micro_steps = tf.Variable(0, name="micro_steps", **counter)
+        self.skipped_updates = tf.Variable(0, name="skipped_updates", **counter)
+        on_read_sum = dict(trainable=False, synchronization=tf.VariableSynchronization.ON_READ,
+                           aggregation=tf.VariableAggregation.SUM)
+        # ON_READ/SUM: each replica adds to its own copy without communication; a read in
+        # cross-replica context (and a checkpoint) sees the sum over replicas, and a restore
+        # splits it evenly again, so the sum survives a change in the number of replicas.
+        self.accumulators = (
+            [
+                tf.Variable(tf.zeros(v.shape, _accumulator_dtype(v.dtype)),
+                            name=f"grad_accum_{i}", **on_read_sum)
+                for i, v in enumerate(trainable_variables)
+            ]
+            if options.grad_accum_steps > 1
+            else []
+        )
+        if weighted and options.grad_accum_steps > 1:
+            # The weight sum of the micro-batches accumulated so far (the W of the update), so
+            # a checkpoint taken mid-update resumes it exactly.
+            self.weight_sum = tf.Variable(0.0, name="weight_sum", **on_read_sum)
+        if options.loss_scale:
+            self.loss_scale = tf.Variable(
+                options.initial_loss_scale,
+                name="loss_scale",
+                trainable=False,
+                dtype=tf.float32,
+                aggregation=_ONLY_FIRST,
+            )
+            self.good_steps = tf.Variable(0, name="good_steps", **counter)
+
+
+def _accumulator_dtype(dtype) -> tf.DType:
+    # Summing K half-precision gradients in half precision would lose the small ones.
+    dtype = tf.as_dtype(dtype)  # Keras variables give their dtype as a string
+    return tf.float32 if dtype in (tf.float16, tf.bfloat16) else dtype
+
+
+def token_counts(x) -> tf.Tensor:
+    """int64 `[real tokens, computed tokens, sequences]` of a token batch (a dict with
+    `segment_ids`, 0 at padding), or an empty vector for any other input."""
+    if not isinstance(x, Mapping) or "segment_ids" not in x:
+        return tf.zeros([0], tf.int64)
+    segments = x["segment_ids"]
+    real = segments > 0
+    # A sequence starts where a real token's segment id differs from its left neighbour's.
+    previous = tf.pad(segments[:, :-1], [[0, 0], [1, 0]])
+    starts = tf.logical_and(real, tf.not_equal(segments, previous))
+    return tf.stack([tf.math.count_nonzero(real), tf.size(segments, out_type=tf.int64),
+                     tf.math.count_nonzero(starts)])
+
+
+def sparse_accuracy(labels, outputs):
+    """1.0 where the arg-max of the outputs (logits or probabilities) equals the label."""
+    labels = tf.reshape(tf.cast(labels, tf.int64), [-1])  # [B] or [B, 1]
+    return tf.cast(tf.equal(tf.argmax(outputs, axis=-1), labels), tf.float32)
+
+
+def check_arguments(model, optimizer, strategy, options, global_batch_size) -> None:
+    if not isinstance(options, EngineOptions):
+        raise TypeError(f"options must be an EngineOptions, got {type(options).__name__}")
+    if not isinstance(global_batch_size, int) or global_batch_size < 1:
+        raise ValueError(f"global_batch_size must be an int >= 1, got {global_batch_size!r}")
+    if not model.built or not model.trainable_variables:
+        raise ValueError("the model must be built (call it once) and have trainable variables")
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        raise ValueError(
+            "pass the inner optimizer and EngineOptions(loss_scale=True), not a LossScaleOptimizer"
+        )
+    if optimizer.gradient_accumulation_steps:
+        raise ValueError(
+            "optimizer(gradient_accumulation_steps=...) fails under tf.distribute (keras#20582); "
+            "use EngineOptions(grad_accum_steps=...) instead"
+        )
+    for what, variable in (
+        ("model", model.trainable_variables[0]),
+        ("optimizer", optimizer.iterations),
+    ):
+        if not strategy.extended.variable_created_in_scope(variable.value):
+            raise ValueError(f"create the {what} under strategy.scope() of the engine's strategy")
