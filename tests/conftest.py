@@ -147,3 +147,22 @@ def user_objectives(tmp_path_factory) -> str:
         os.environ.pop("PYTHONPATH", None)
     else:
         os.environ["PYTHONPATH"] = old
+
+
+def _convert_text(out, *extra) -> str:
+    import subprocess
+    import sys
+
+    subprocess.run([sys.executable, str(REPO / "scripts" / "to_tfrecord.py"),
+                    "--source=pystdlib:json,logging", f"--output={out}", "--tokenizer=bpe:300",
+                    "--max_length=64", "--long=split", *extra], check=True, capture_output=True)
+    return str(out)
+
+
+@pytest.fixture(scope="session")
+def text_dirs(tmp_path_factory) -> dict[str, str]:
+    """Python's json and logging sources (real code) converted by the converter's command
+    line with a 300-id BPE: by package (classification) and for causal language modelling."""
+    root = tmp_path_factory.mktemp("text")
+    return {"classification": _convert_text(root / "cls"),
+            "lm": _convert_text(root / "lm", "--task=lm")}

@@ -210,3 +210,30 @@ def test_tfspeed_fit_on_a_finished_model_dir_says_it_resumed_at_the_end(tmp_path
     said = [r.getMessage() for r in caplog.records if "resumed at the end" in r.getMessage()]
     assert len(said) == 1 and str(tmp_path) in said[0]
     np.testing.assert_allclose(first["model"].get_weights()[0], again["model"].get_weights()[0])
+
+
+@pytest.mark.parametrize("task", ["classification", "lm"])
+def test_tfspeed_fit_trains_on_token_batches_with_the_exact_loss(text_dirs, tmp_path, task):
+    """Dict batches from tfspeed.data.build on text: fit resolves the per-sequence (or per real
+    token) loss, as the driver does, and reports the padding it computed."""
+    import tfspeed.data
+    from tfspeed.training import transformer
+
+    data_dir = text_dirs[task]
+    train = tfspeed.data.build(data_dir, "train", 8, batching="pack", max_length=64,
+                               tokens_per_batch=512).take(6)
+    schema = tfspeed.data.read_schema(data_dir)
+    vocab = schema.text["tokenizer"]["vocab_size"]
+    outputs = vocab if task == "lm" else schema.num_classes
+
+    def build():
+        return transformer.build_transformer(vocab, outputs, task, width=16, depth=1, heads=2,
+                                             max_length=64, max_segments=16)
+
+    report = tfspeed.fit(build, train, task=None if task == "classification" else "lm",
+                         precision="float32", model_dir=str(tmp_path))
+    per = "per real token" if task == "lm" else "per sequence"
+    assert report["objectives"]["loss"].endswith(f"({per})")
+    assert report["optimizer_updates"] == 6
+    assert 0 <= report["throughput"]["padding_fraction"] < 0.1
+    assert np.isfinite(report["train_metrics"]["loss"])

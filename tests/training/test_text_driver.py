@@ -5,8 +5,6 @@ resumes exactly, and trains mirrored over two CPU replicas; report.json says how
 import math
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 import tensorflow as tf
@@ -16,17 +14,9 @@ from tfspeed.errors import UsageError
 from tfspeed.training.run import run
 
 
-def _convert(out, *extra):
-    subprocess.run([sys.executable, "scripts/to_tfrecord.py", "--source=pystdlib:json,logging",
-                    f"--output={out}", "--tokenizer=bpe:300", "--max_length=64",
-                    "--long=split", *extra], check=True, capture_output=True)
-    return str(out)
-
-
 @pytest.fixture(scope="session")
-def corpora(tmp_path_factory):
-    root = tmp_path_factory.mktemp("driver_text")
-    return {"classification": _convert(root / "cls"), "lm": _convert(root / "lm", "--task=lm")}
+def corpora(text_dirs):
+    return text_dirs
 
 
 def _config(data_dir, model_dir, *, batching="auto", steps=6, strategy="default", replicas=0,

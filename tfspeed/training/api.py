@@ -41,7 +41,9 @@ def fit(model, train, validation=None, *, epochs: int | None = None,
         built keeps its own precision and needs ``strategy`` "auto" or "default" (or a
         strategy in whose scope it was created).
       train: a ``tf.data.Dataset`` of ``(x, y)`` batches (``x`` may be a dict of named
-        inputs). Its batch size is the global batch of one micro-step; a last partial batch
+        inputs). Token batches (``tfspeed.data.build`` on text: ``x`` the dict of tokens,
+        segment ids and positions, ``y`` the dict of label and weight) train with a loss per
+        sequence, or per real token with ``task="lm"``, exact whatever the padding. Its batch size is the global batch of one micro-step; a last partial batch
         is dropped, and epochs follow one another without a short batch.
       validation: a dataset of ``(x, y)`` batches, evaluated once at the end.
       epochs / steps: passes over ``train``, or optimizer updates (at most one of the two).
@@ -50,7 +52,8 @@ def fit(model, train, validation=None, *, epochs: int | None = None,
       metrics: names or per-example functions; None: by task (accuracy, or mae).
       optimizer: ``adam``, ``adamw``, ``sgd`` or a Keras optimizer made in the strategy scope.
       learning_rate: for a named optimizer.
-      task: ``classification`` or ``regression``; None: integer labels classify.
+      task: ``classification``, ``regression`` or ``lm`` (token batches); None: integer
+        labels classify.
       strategy: ``auto``, ``default``, ``one_device``, ``mirrored``, ``multi_worker`` or a
         ``tf.distribute.Strategy``.
       cpu_replicas: split the CPU into this many logical devices (MirroredStrategy on CPU).
@@ -89,9 +92,10 @@ def fit(model, train, validation=None, *, epochs: int | None = None,
         rt = _runtime(strategy, config.runtime, model)
         batch, per_epoch = _batch_and_epoch(train)
         built = _build(model, rt, train)
-        task = task or ("regression" if train.element_spec[1].dtype.is_floating
-                        else "classification")
-        goals = objectives.resolve(loss or "", metrics, task, built)
+        sequences = _token_batches(train)
+        task = task or ("classification" if sequences else "regression"
+                        if train.element_spec[1].dtype.is_floating else "classification")
+        goals = objectives.resolve(loss or "", metrics, task, built, sequences=sequences)
         if task == "classification":
             _check_classes(built, train, "train")
         distribute = rt.strategy.experimental_distribute_dataset
@@ -141,6 +145,13 @@ def locked_model_dir(model_dir: str, flag: str = "--model_dir"):
         yield lock
     finally:
         lock.release()
+
+
+def _token_batches(dataset) -> bool:
+    """Whether ``dataset`` holds token batches (``tfspeed.data.sequences``' contract): targets
+    ``{"label", "weight"}``, trained with a loss per real token or per sequence."""
+    targets = dataset.element_spec[1]
+    return isinstance(targets, dict) and {"label", "weight"} <= set(targets)
 
 
 def _check_classes(model, dataset, name: str) -> None:
