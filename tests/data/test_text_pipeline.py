@@ -10,6 +10,7 @@ import pytest
 import tensorflow as tf
 
 import tfspeed.data
+from tests.conftest import REPO
 from tfspeed.config import DataConfig
 from tfspeed.data import schema as schema_lib
 from tfspeed.data import text
@@ -18,7 +19,8 @@ MAX_LENGTH = 256
 
 
 def _convert(out, *extra):
-    subprocess.run([sys.executable, "scripts/to_tfrecord.py", "--source=pystdlib:json,logging",
+    subprocess.run([sys.executable, str(REPO / "scripts" / "to_tfrecord.py"),
+                    "--source=pystdlib:json,logging",
                     f"--output={out}", "--tokenizer=bpe:500", f"--max_length={MAX_LENGTH}",
                     "--long=split", *extra], check=True, capture_output=True)
     return str(out)

@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from tests.conftest import REPO as REPO_PATH
 from tfspeed.convert import convert, example
 from tfspeed.data.schema import Feature
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = str(REPO_PATH)
 
 FEATURES = {
     "image": Feature("image", "uint8", (None, None, 3), "jpeg"),

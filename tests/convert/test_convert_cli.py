@@ -7,16 +7,16 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
 from conftest import write_photos
 
+from tests.conftest import REPO as REPO_PATH
 from tfspeed.convert import convert, run
 from tfspeed.convert import plan as plan_lib
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "to_tfrecord.py"
+SCRIPT = REPO_PATH / "scripts" / "to_tfrecord.py"
 
 
 def _run(capsys, *args):

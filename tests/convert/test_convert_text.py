@@ -14,12 +14,13 @@ from pydoc_data.topics import topics
 import numpy as np
 import pytest
 
+from tests.conftest import REPO as REPO_PATH
 from tfspeed.convert import convert
 from tfspeed.convert.sources import TextOptions
 from tfspeed.data import schema as schema_lib
 from tfspeed.errors import UsageError
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = str(REPO_PATH)
 SCRIPT = os.path.join(REPO, "scripts", "to_tfrecord.py")
 
 
