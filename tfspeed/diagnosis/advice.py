@@ -16,11 +16,15 @@ INPUT_BOUND_RATIO = 0.9  # a pipeline slower than this share of (b) cannot feed 
 MEMORY_BOUND_SHARE = 0.85  # peak memory above this share of the machine's is the limit
 CONTENTION_RATIO = 0.75  # together below this share of min(input, model) alone: shared CPU
 SHARDS_FOR_INTERLEAVE = 16
+PADDING_SIGNIFICANT = 0.20  # measured padding above this share of computed tokens: advise
+PADDING_MIN_GAIN = 1.1  # an alternative batching must promise this many x real tokens/s
+PACKED_PADDING = 0.02  # first-fit packing's unfilled row ends, typically (benchmarks/sequences.py)
 
 
 def decide(config, schema, plan, figures: dict) -> dict:
     """Returns ``{"verdict", "severity", "why", "next_steps": [{"advice", "expected_gain"}]}``."""
     eps = figures["examples_per_sec"]
+    unit = figures.get("unit", "examples")  # token batches: sequences
     wait = max(figures["input_wait_pct"], figures.get("profile", {}).get("input_wait_pct", 0.0))
     memory_share = _memory_share(figures["memory"])
     slow_input = eps["input_alone"] < INPUT_BOUND_RATIO * eps["compute_alone"]
@@ -36,12 +40,12 @@ def decide(config, schema, plan, figures: dict) -> dict:
         verdict = "input-bound"
         severity = "highly" if wait >= INPUT_BOUND_HIGH_PCT else "moderately"
         why = (f"{wait:.0f}% of step time waits for input; the pipeline alone gives "
-               f"{eps['input_alone']:.0f} examples/s, the model could take "
+               f"{eps['input_alone']:.0f} {unit}/s, the model could take "
                f"{eps['compute_alone']:.0f}")
         steps = _input_steps(config, schema, figures)
     elif contention:
         verdict, severity = "input-bound", "by sharing the CPU"
-        why = (f"together {eps['together']:.0f} examples/s is "
+        why = (f"together {eps['together']:.0f} {unit}/s is "
                f"{eps['together'] / min(eps['input_alone'], eps['compute_alone']):.0%} of the "
                "slower of input alone and model alone: the input pipeline takes CPU time from "
                "the step, though the step seldom waits")
@@ -49,8 +53,9 @@ def decide(config, schema, plan, figures: dict) -> dict:
     else:
         verdict, severity = "compute-bound", ""
         why = (f"only {wait:.0f}% of step time waits for input; together "
-               f"{eps['together']:.0f} examples/s vs {eps['compute_alone']:.0f} for the model alone")
+               f"{eps['together']:.0f} {unit}/s vs {eps['compute_alone']:.0f} for the model alone")
         steps = _compute_steps(config, plan, figures, wait, memory_share)
+    steps += padding_steps(config, schema, figures)
     steps.sort(key=lambda s: -s.pop("score"))
     return {"verdict": verdict, "severity": severity, "why": why, "next_steps": steps}
 
@@ -146,6 +151,61 @@ def _input_steps(config, schema, figures: dict) -> list[dict]:
     return steps
 
 
+def padding_steps(config, schema, figures: dict) -> list[dict]:
+    """The batching that computes fewer padding tokens, where the measured padding is
+    significant (``PADDING_SIGNIFICANT``): each alternative's expected padding from the
+    split's length histogram (``tfspeed.data.text``), ranked by its real-token gain
+    ``(1 - expected) / (1 - measured)``. Empty for batches without padding figures."""
+    from tfspeed.training import models
+
+    padding = figures.get("padding_fraction")
+    if padding is None or padding < PADDING_SIGNIFICANT:
+        return []
+    data = config.data
+    alternatives = expected_alternatives(data, schema, models.takes_segments(config.model.name))
+    steps = []
+    for mode, expected in alternatives.items():
+        gain = (1 - expected) / max(1 - padding, 1e-3)
+        if mode == data.batching or gain < PADDING_MIN_GAIN:
+            continue
+        how = ("the model takes segment ids, so packed rows keep sequences apart"
+               if mode == "pack" else f"buckets {expected_buckets(data, schema)}")
+        steps.append(_step(
+            f"{padding:.0%} of the tokens computed are padding (--batching={data.batching}): "
+            f"--batching={mode} (expected padding {expected:.0%} from the split's lengths; "
+            f"{how})", gain, f"~{gain:.1f}x real tokens/s"))
+    return steps
+
+
+def expected_alternatives(data, schema, takes_segments: bool) -> dict[str, float]:
+    """Expected padding fraction of each batching the model can take, from the train
+    split's length counts: ``pad`` and ``bucket`` as ``text.expected_padding`` gives them,
+    ``pack`` as ``PACKED_PADDING`` (first-fit rows leave little unfilled)."""
+    from tfspeed.data import text
+
+    counts = text.length_counts(schema, _split(data, schema))
+    max_length = text.resolve_max_length(schema, counts, data.max_length)
+    expected = text.expected_padding(text.piece_counts(counts, max_length, data.long),
+                                     data.batch_size)
+    out = {"pad": expected["pad"], "bucket": expected["bucket"]}
+    if takes_segments:
+        out["pack"] = PACKED_PADDING
+    return out
+
+
+def expected_buckets(data, schema) -> list[int]:
+    from tfspeed.data import text
+
+    counts = text.length_counts(schema, _split(data, schema))
+    max_length = text.resolve_max_length(schema, counts, data.max_length)
+    return text.expected_padding(text.piece_counts(counts, max_length, data.long),
+                                 data.batch_size)["boundaries"]
+
+
+def _split(data, schema) -> str:
+    return data.train_split if data.train_split in schema.splits else next(iter(schema.splits))
+
+
 def _compute_steps(config, plan, figures: dict, wait: float, memory_share: float) -> list:
     from tfspeed.config import RuntimeConfig
     from tfspeed.runtime import detect_hardware, resolve
@@ -164,7 +224,12 @@ def _compute_steps(config, plan, figures: dict, wait: float, memory_share: float
     if best.xla and not plan.xla:
         steps.append(_step("--xla=on: fuse the step's kernels on the accelerator", 1.3,
                            "~10-30%"))
-    if memory_share < 0.5:
+    tokens = config.data.tokens_per_batch if figures.get("unit") == "sequences" else 0
+    if memory_share < 0.5 and tokens and config.data.batching != "pad":
+        steps.append(_step(f"memory is at {memory_share:.0%}: try --tokens_per_batch="
+                           f"{2 * tokens} for better device utilisation", 1.2,
+                           "~10-40% more real tokens/s"))
+    elif memory_share < 0.5:
         steps.append(_step(f"memory is at {memory_share:.0%}: try --batch_size={2 * batch} "
                            "with --scale_lr_with_batch for better device utilisation", 1.2,
                            "~10-40% more examples/s"))

@@ -37,19 +37,24 @@ def measure(job, options: Options, out_dir: str) -> dict:
 
     config, batch = job.config, job.config.data.batch_size
     in_step = hasattr(job.train_data, "replica_batch")
+    batching = job.input_report.get("batching")  # token records: sequences, not examples
     local = pipeline.build_from_config(job.train_data_config, config.data.train_split,
                                        training=True, schema=job.schema)
+    warmup = options.warmup + min(job.steps_per_epoch, 200)  # fill an in-memory cache
     if in_step:  # what the job runs: batches gathered inside the step, no tf.data per step
         input_alone = _time_in_step_gather(job, options) * batch
+    elif batching:  # token batches vary in size: count the sequences they hold
+        batches_per_sec, per_batch = _time_token_iterator(iter(local), options.steps, warmup)
+        input_alone = batches_per_sec * per_batch
     else:
-        warmup = options.warmup + min(job.steps_per_epoch, 200)  # fill an in-memory cache
         input_alone = _time_iterator(iter(local), options.steps, warmup) * batch
     held = next(iter(local))
+    held_size = _sequences(held[0]) if batching else batch
     synthetic = job.runtime.strategy.experimental_distribute_dataset(
         tf.data.Dataset.from_tensors(held).repeat())
     engine = job_lib.build_engine(config, job.runtime, job.model, job.objectives, job.preprocess)
-    compute_alone = _time_engine(engine, iter(synthetic), options) * batch
-    together, wait_pct = _time_engine_with_wait(engine, _batches(job), options)
+    compute_alone = _time_engine(engine, iter(synthetic), options) * held_size
+    together, wait_pct, tokens = _time_engine_with_wait(engine, _batches(job), options)
     profile = _profile(engine, _batches(job), options, out_dir)
     if in_step:
         # xprof's input analysis reads tf.data iterators; a step that gathers its own batch
@@ -58,12 +63,19 @@ def measure(job, options: Options, out_dir: str) -> dict:
             "input is gathered inside the step (no tf.data iterator), so xprof's input "
             "analysis does not apply; the step's own timing above measures the wait")
         stages = {"in-step gather": 1000 / max(input_alone / batch, 1e-9)}
+    elif batching:
+        # The cuts of ``pipeline.STAGES`` end in per-sequence elements of varying length,
+        # which batch only as the text branch batches them: timed whole, as one stage.
+        stages = {"read+batch": 1000 / max(batches_per_sec, 1e-9)}
     else:
         stages = _stage_times(job, options)
     placement = job.input_report.get("placement", {}).get("where", "host")
+    text_figures = {} if not batching else _token_figures(batching, tokens)
     return {
+        **text_figures,
         "examples_per_sec": {"input_alone": input_alone, "compute_alone": compute_alone,
-                             "together": together * batch},
+                             "together": (tokens["sequences"] / tokens["seconds"] if batching
+                                          else together * batch)},
         "input_wait_pct": wait_pct,
         "stages_ms_per_batch": stages,
         "profile": profile,
@@ -75,6 +87,9 @@ def measure(job, options: Options, out_dir: str) -> dict:
                      "input_placement": placement,
                      "precision": job.runtime.precision, "xla": job.runtime.xla,
                      "cache": job.train_data_config.cache,
+                     **({"batching": batching["mode"],
+                         "tokens_per_batch": batching["tokens_per_batch"],
+                         "max_length": batching["max_length"]} if batching else {}),
                      "data_service": config.data.data_service or None,
                      "steps_per_execution":
                          config.train.steps_per_execution, "steps": options.steps},
@@ -110,23 +125,62 @@ def _time_iterator(iterator, steps: int, warmup: int) -> float:
         next(iterator)
     return steps / (time.perf_counter() - start)
 
+def _time_token_iterator(iterator, steps: int, warmup: int) -> tuple[float, float]:
+    """Batches per second pulled from a token pipeline, and sequences per batch (counted
+    after the clock stops: the count is no part of the input's cost)."""
+    for _ in range(warmup):
+        next(iterator)
+    pulled = []
+    start = time.perf_counter()
+    for _ in range(steps):
+        pulled.append(next(iterator))
+    rate = steps / (time.perf_counter() - start)
+    return rate, sum(_sequences(x) for x, _ in pulled) / steps
+
+def _sequences(inputs) -> int:
+    """Sequences in a token batch: segments start where a real position is 0."""
+    import tensorflow as tf
+
+    starts = tf.logical_and(inputs["segment_ids"] > 0, inputs["positions"] == 0)
+    return int(tf.math.count_nonzero(starts))
+
+def _token_figures(batching: dict, tokens: dict) -> dict:
+    """What the trained-on token batches held: padding is computed, never learnt from."""
+    computed = max(tokens["computed_tokens"], 1)
+    return {"unit": "sequences",
+            "padding_fraction": 1.0 - tokens["real_tokens"] / computed,
+            "real_tokens_per_sec": tokens["real_tokens"] / tokens["seconds"],
+            "tokens": {**{k: tokens[k] for k in ("real_tokens", "computed_tokens",
+                                                 "sequences")},
+                       "computed_tokens_per_sec": tokens["computed_tokens"] / tokens["seconds"]},
+            "batching": {"mode": batching["mode"], "reason": batching["reason"],
+                         "tokens_per_batch": batching["tokens_per_batch"],
+                         "batch_size": batching["batch_size"],
+                         "max_length": batching["max_length"],
+                         "expected_padding": batching["expected_padding"]}}
+
 def _time_engine(engine, iterator, options: Options) -> float:
     return _time_engine_with_wait(engine, iterator, options)[0]
 
-def _time_engine_with_wait(engine, iterator, options: Options) -> tuple[float, float]:
-    """Steps/s of the real training step on ``iterator``, and % of time waiting for input."""
+def _time_engine_with_wait(engine, iterator, options: Options) -> tuple[float, float, dict]:
+    """Steps/s of the real training step on ``iterator``, % of time waiting for input, and
+    the token counts of the measured steps (zeros for batches without segment ids)."""
     n = max(engine.options.steps_per_execution, 1)
     for _ in range(max(options.warmup // n, 1)):
         engine.train(iterator, n)["loss"].numpy()
     executions = max(options.steps // n, 1)
-    waited = 0.0
+    waited, counts = 0.0, []
     start = time.perf_counter()
     for _ in range(executions):
         out = engine.train(iterator, n)
         waited = waited + out["input_wait_s"]
+        counts.append((out["real_tokens"], out["computed_tokens"], out["sequences"]))
     out["loss"].numpy()
     seconds = time.perf_counter() - start
-    return executions * n / seconds, 100 * min(float(waited) / seconds, 1.0)
+    tokens = {name: sum(int(c[i]) for c in counts)
+              for i, name in enumerate(("real_tokens", "computed_tokens", "sequences"))}
+    return (executions * n / seconds, 100 * min(float(waited) / seconds, 1.0),
+            {**tokens, "seconds": seconds})
 
 def _profile(engine, iterator, options: Options, out_dir: str) -> dict:
     from tfspeed.diagnosis import profiling

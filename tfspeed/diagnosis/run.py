@@ -43,18 +43,25 @@ def decide(job, figures: dict) -> dict:
 def report_lines(result: dict) -> list[str]:
     eps = result["examples_per_sec"]
     memory = result["memory"]
+    unit = result.get("unit", "examples")  # token batches: sequences
     lines = [
         f"tfspeed diagnose: {result['verdict'].upper()}" + (
             f" ({result['severity']})" if result.get("severity") else "") + f": {result['why']}",
-        f"  input alone          : {eps['input_alone']:10.0f} examples/s "
+        f"  input alone          : {eps['input_alone']:10.0f} {unit}/s "
         f"({result.get('input_measured', 'the tf.data pipeline')})",
-        f"  model alone          : {eps['compute_alone']:10.0f} examples/s (synthetic batch)",
-        f"  together             : {eps['together']:10.0f} examples/s, "
+        f"  model alone          : {eps['compute_alone']:10.0f} {unit}/s (synthetic batch)",
+        f"  together             : {eps['together']:10.0f} {unit}/s, "
         f"{result['input_wait_pct']:.0f}% of the time waiting for input",
         f"  peak host memory     : {memory['peak_host_rss_mb'] / 1024:.1f} GB of "
         f"{memory['host_total_mb'] / 1024:.1f} GB (allocator: "
         f"{memory.get('host_allocator', 'unknown')})",
     ]
+    if "padding_fraction" in result:
+        batching = result["batching"]
+        lines.append(f"  tokens               : {result['real_tokens_per_sec']:10.0f} real "
+                     f"tokens/s, {result['padding_fraction']:.0%} of those computed are "
+                     f"padding (--batching={batching['mode']}, "
+                     f"--tokens_per_batch={batching['tokens_per_batch']})")
     if result["profile"].get("conclusion"):
         lines.append(f"  xprof: {result['profile']['conclusion']}")
     stages = result["stages_ms_per_batch"]
@@ -73,7 +80,8 @@ def _chart(result: dict, path: str) -> str:
     stages = result["stages_ms_per_batch"]
     values = [eps["input_alone"], eps["compute_alone"], eps["together"]]
     return charts.bar_chart(path, [
-        charts.Panel(["input alone", "model alone", "together"], {"": values}, "examples/s",
+        charts.Panel(["input alone", "model alone", "together"], {"": values},
+                     f"{result.get('unit', 'examples')}/s",
                      f"verdict: {result['verdict']}", horizontal=False,
                      colors=["#4c72b0", "#55a868", "#c44e52"]),
         charts.Panel(list(stages), {"": list(stages.values())},

@@ -71,6 +71,7 @@ def measure_into(path: str, config, budget: Budget, probe_dir: str) -> None:
 def measure(config, budget: Budget, probe_dir: str) -> Measurements:
     """Phase 1: the input's CPU per element, the split's size, the step alone."""
     from tfspeed.data import ingraph, plan
+    from tfspeed.data import text as text_lib
     from tfspeed.training import job as job_lib
 
     host = variant(config, input_placement="host", cache="none", precision="float32",
@@ -90,8 +91,11 @@ def measure(config, budget: Budget, probe_dir: str) -> Measurements:
         except UsageError:
             device_ok = False
         device_ok = device_ok and size_mb <= ram_mb
+        tokens = text_lib.is_text(schema)
         with job_lib.data_errors(config.data.data_dir):
-            inputs = _measure_input(job, budget, size_mb <= ram_mb)
+            inputs = (_measure_text_input(job, budget) if tokens else
+                      _measure_input(job, budget, size_mb <= ram_mb))
+        device_ok = device_ok and not tokens  # token batches vary in shape: tf.data only
         steps, device_step = _measure_steps(config, job, budget, size_mb, inputs,
                                             device_ok)
     finally:
@@ -107,7 +111,7 @@ def measure(config, budget: Budget, probe_dir: str) -> Measurements:
         step=step, stages=inputs.stages, parses=inputs.parses, caches=inputs.caches,
         objectives=steps[first].engine.objectives.report,  # what the timed steps trained
         device_step_ratio=in_step.step_s / step[first].step_s if in_step else 1.0,
-        device_step=in_step)
+        device_step=in_step, text=inputs.text)
 
 
 def _storage(schema) -> str:
@@ -124,6 +128,65 @@ class _InputFindings:
     stages: InputStages
     parses: tuple[str, ...]
     caches: tuple[str, ...]
+    text: dict | None = None  # token records: ``Measurements.text``
+
+
+TOKEN_BUDGETS = (1.0, 0.5, 2.0)  # --tokens_per_batch candidates, times the job's own
+
+
+def _measure_text_input(job, budget: Budget) -> _InputFindings:
+    """CPU-seconds per computed token of the token pipeline batched each way the model can
+    take (pack only where it takes segment ids), each timed whole: ``pipeline.STAGES``'
+    cuts end in per-sequence elements of varying length that batch only as the text branch
+    batches them. With each batching's expected padding from the split's lengths."""
+    import numpy as np
+    import tensorflow as tf
+
+    from tfspeed.data import pipeline
+    from tfspeed.data import text as text_lib
+    from tfspeed.training import models
+
+    data, schema = job.train_data_config, job.schema
+    split = data.train_split
+    resolved = text_lib.resolve(data, schema)
+    counts = text_lib.length_counts(schema, split)
+    pieces = text_lib.piece_counts(counts, resolved.max_length, data.long)
+    expected = text_lib.expected_padding(pieces, data.batch_size)
+    modes = ["pad", "bucket"] + (["pack"] if models.takes_segments(job.config.model.name)
+                                 else [])
+    total = float(pieces.sum())
+    mean = float(pieces @ np.arange(len(pieces))) / max(total, 1.0)
+    split_tokens = int(mean * total)
+    budgets = sorted({t for t in (int(f * resolved.tokens_per_batch) for f in TOKEN_BUDGETS)
+                      if resolved.max_length <= t <= split_tokens},
+                     key=lambda t: t != resolved.tokens_per_batch)
+    figures, cold = {}, None
+    for mode in modes:
+        if figures and not budget.allows(2, f"the input batched by {mode}"):
+            continue
+        cfg = dataclasses.replace(data, batching=mode, cache="none",
+                                  tokens_per_batch=resolved.tokens_per_batch)
+        ds = pipeline.build_from_config(cfg, split, training=True, schema=schema)
+        computed = ds.map(lambda x, y: tf.size(x["segment_ids"]))  # tokens per batch
+        timing = _cpu_per_element(iter(computed), 1, 2, 0.5)
+        # _cpu_per_element counts batches: per computed token, from a sample of sizes.
+        sizes = [int(n) for n in computed.take(8)]
+        per_token = sum(sizes) / len(sizes)
+        figures[mode] = {"expected_padding": 0.0 if mode == "pack" else expected[mode],
+                         "input_cpu_per_token": timing.cpu_s / per_token}
+        if mode == data.batching or cold is None:
+            # per sequence: the existing report and cost-model fields stay meaningful
+            cold = InputTiming(cpu_s=timing.cpu_s / per_token * mean,
+                               wall_s=timing.wall_s / per_token * mean)
+    held = next(iter(pipeline.build_from_config(
+        dataclasses.replace(data, shuffle=False, augment=(), cache="none"), split,
+        training=True, schema=schema)))
+    text = {"held_tokens": int(tf.size(held[0]["segment_ids"])), "mean_length": mean,
+            "max_length": resolved.max_length, "batch_size": data.batch_size,
+            "tokens_per_batch": budgets, "batching": figures,
+            "expected_padding": expected}
+    return _InputFindings({COLD: cold}, InputStages(cold.cpu_s, 0.0, None), ("batched",),
+                          ("none",), text)
 
 
 def _measure_input(job, budget: Budget, fits: bool) -> _InputFindings:

@@ -99,6 +99,11 @@ class Measurements:
     objectives: dict  # the loss and metrics the timed steps trained
     device_step_ratio: float = 1.0  # the step with the split in it, over the step alone
     device_step: StepTiming | None = None
+    # Token records only (absent otherwise): ``{"held_tokens"`` (computed tokens of the
+    # batch the steps were timed on), ``"mean_length"``, ``"max_length"``, ``"batch_size"``,
+    # ``"tokens_per_batch"`` (the choices), ``"batching": {mode: {"expected_padding",
+    # "input_cpu_per_token"}}``} (pack only where the model takes segment ids).
+    text: dict | None = None
 
     def to_json(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -106,6 +111,8 @@ class Measurements:
         out["step"] = {str(k): dataclasses.asdict(v) for k, v in self.step.items()}
         out["stages"] = dataclasses.asdict(self.stages)
         out["parses"], out["caches"] = list(self.parses), list(self.caches)
+        if self.text is None:  # absent for image and table jobs, as before
+            del out["text"]
         if self.device_step is None:  # absent, as before typed measurements
             del out["device_step"]
         else:

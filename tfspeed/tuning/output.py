@@ -43,6 +43,9 @@ def _result(m: Measurements, ranked, chosen, user, budget: Budget, keep_user: bo
         return {"flags": r["candidate"].flags(), "label": r["candidate"].label(),
                 "predicted": round(r["examples_per_sec"], 1), "bound": r["bound"],
                 "step_ms": round(r["step_ms"], 3), "input_cpu_ms": round(r["input_cpu_ms"], 3),
+                **({"predicted_real_tokens_per_sec": round(r["real_tokens_per_sec"], 1),
+                    "expected_padding": r["expected_padding"]}
+                   if "real_tokens_per_sec" in r else {}),
                 **({"measured": r["measured"]} if "measured" in r else {})}
 
     best = user if keep_user else chosen
@@ -60,10 +63,24 @@ def _result(m: Measurements, ranked, chosen, user, budget: Budget, keep_user: bo
         "user_predicted": user.get("predicted"),
         "vs_user": measured / user["measured"]["examples_per_sec"] if "measured" in user
         else None,
+        **_token_result(m, best),
         "skipped": budget.skipped,
         "seconds": round(budget.used(), 1),
         "budget_s": budget.seconds,
     }
+
+
+def _token_result(m: Measurements, best: dict) -> dict:
+    """For token records: the batchings considered and the chosen one's measured real
+    tokens/s and padding (absent for other jobs, as before)."""
+    if not m.text:
+        return {}
+    figures = best["measured"]
+    return {"batching_candidates": sorted(m.text["batching"]),
+            "tokens_per_batch_candidates": m.text["tokens_per_batch"],
+            "real_tokens_per_sec": figures.get("real_tokens_per_sec"),
+            "padding_fraction": figures.get("padding_fraction"),
+            "batching": figures["resolved"].get("batching")}
 
 
 def recommend_storage(config, m: Measurements, chosen: dict) -> dict | None:
@@ -137,9 +154,13 @@ def _changed(c: Candidate, config, resolved: dict) -> dict:
     given = {"input_placement": config.data.input_placement, "cache": config.data.cache,
              "parse": config.data.parse, "input_threads": config.data.input_threads,
              "precision": config.runtime.precision, "xla": config.runtime.xla,
-             "steps_per_execution": config.train.steps_per_execution}
+             "steps_per_execution": config.train.steps_per_execution,
+             "batching": config.data.batching, "tokens_per_batch": config.data.tokens_per_batch}
     changed = {}
-    for name, value in dataclasses.asdict(c).items():
+    for name, value in c.flags().items():
+        value = getattr(c, name)
+        if name == "tokens_per_batch" and c.batching == "pad":
+            continue  # a padded batch holds --batch_size sequences
         if c.input_placement == "device" and name in ("cache", "parse", "input_threads"):
             continue  # the split is read once, into the step
         if name == "parse" and c.cache != "none":
@@ -199,6 +220,17 @@ def reason(name: str, value: str, c: Candidate, m: Measurements) -> str:
     if name == "input_threads":
         return (f"input capped at {value} of {m.cores} cores measured faster: the step "
                 "keeps the rest")
+    if name == "batching":
+        figures = ", ".join(f"{mode} {100 * f['expected_padding']:.0f}%"
+                            for mode, f in m.text["batching"].items())
+        return (f"expected padding from the split's lengths: {figures}; {value} measured the "
+                "most real tokens/s")
+    if name == "tokens_per_batch":
+        step = m.step[c.step_key]
+        return (f"a call costs {1000 * step.overhead_s:.2f} ms besides the step's "
+                f"{1e6 * step.step_s / m.text['held_tokens']:.2f} µs per computed token: "
+                f"{value} tokens per batch measured the most real tokens/s of "
+                f"{m.text['tokens_per_batch']}")
     if name in ("precision", "xla"):
         figures = ", ".join(f"{k}: {1000 * v.step_s:.2f} ms" for k, v in m.step.items())
         return f"the step alone per precision/xla: {figures}"

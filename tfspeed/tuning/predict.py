@@ -25,20 +25,31 @@ class Candidate:
     precision: str
     xla: str  # on, off
     steps_per_execution: int
+    batching: str = ""  # pad, bucket, pack (token records only; "": not a knob here)
+    tokens_per_batch: int = 0  # the token budget of a bucket or packed batch (0: n/a)
 
     @property
     def step_key(self) -> StepKey:
         return StepKey(self.precision, self.xla)
 
     def flags(self) -> dict[str, str]:
-        return {k: str(v) for k, v in dataclasses.asdict(self).items()}
+        """Every knob as a flag value (the token knobs only where they apply)."""
+        return {k: str(v) for k, v in dataclasses.asdict(self).items()
+                if v or k not in _TEXT_KNOBS}
 
     def label(self) -> str:
         where = ("in-step" if self.input_placement == "device" else
                  f"tf.data cache={self.cache}" + (f" parse={self.parse}" if self.cache == "none"
                                                   else "") +
                  (f" threads={self.input_threads}" if self.input_threads else ""))
-        return f"{where}, {self.precision}, xla={self.xla}, spe={self.steps_per_execution}"
+        tokens = (f"batching={self.batching}" + (f" tokens={self.tokens_per_batch}"
+                                                 if self.batching != "pad" else "") + ", "
+                  if self.batching else "")
+        return (f"{tokens}{where}, {self.precision}, xla={self.xla}, "
+                f"spe={self.steps_per_execution}")
+
+
+_TEXT_KNOBS = ("batching", "tokens_per_batch")
 
 
 def predict(c: Candidate, m: Measurements) -> dict:
@@ -49,6 +60,8 @@ def predict(c: Candidate, m: Measurements) -> dict:
       (``step_ms``, ``step_cpu_ms``), the input's CPU ``i`` per batch (``input_cpu_ms``), and
       which term bounds the time ``T`` (``bound``: step, input or cores).
     """
+    if c.batching and m.text:
+        return _predict_tokens(c, m)
     step = m.step[c.step_key]
     scale = m.device_step_ratio if c.input_placement == "device" else 1.0
     w = scale * (step.step_s + step.overhead_s / c.steps_per_execution)
@@ -64,8 +77,52 @@ def predict(c: Candidate, m: Measurements) -> dict:
             "step_ms": 1000 * w, "step_cpu_ms": 1000 * u, "input_cpu_ms": 1000 * i}
 
 
+def _predict_tokens(c: Candidate, m: Measurements) -> dict:
+    """``predict`` for token batches: the step's time scales with the tokens it computes
+    (padding included), the input's with the tokens it batches; what is learnt from is the
+    real share, ``1 - expected_padding`` of the batching from the split's lengths.
+
+    ``examples_per_sec`` is sequences/s (real tokens/s over the mean length), so token
+    candidates rank among themselves by real tokens/s.
+    """
+    text = m.text
+    mode = text["batching"][c.batching]
+    padding = mode["expected_padding"]
+    if c.batching == "pad":  # a batch of B sequences padded to its longest
+        computed = text["batch_size"] * text["mean_length"] / max(1 - padding, 1e-3)
+    else:
+        computed = c.tokens_per_batch
+    step = m.step[c.step_key]
+    per_token = computed / max(text["held_tokens"], 1)
+    w = step.step_s * per_token + step.overhead_s / c.steps_per_execution
+    u = step.cpu_per_step_s * per_token
+    i = mode["input_cpu_per_token"] * computed
+    threads = min(c.input_threads or m.cores, m.cores)
+    terms = {"step": w, "input": i / threads, "cores": (u + i) / m.cores}
+    bound = max(terms, key=terms.get)
+    real = computed * (1 - padding) / terms[bound]
+    return {"examples_per_sec": real / max(text["mean_length"], 1e-9), "bound": bound,
+            "real_tokens_per_sec": real, "expected_padding": padding,
+            "step_ms": 1000 * w, "step_cpu_ms": 1000 * u, "input_cpu_ms": 1000 * i}
+
+
+def token_choices(m: Measurements) -> list[tuple[str, int]]:
+    """(batching, tokens_per_batch) pairs of a token job: pad at its batch size, bucket
+    and pack (where measured) at each token budget."""
+    text = m.text
+    pairs = [("pad", text["tokens_per_batch"][0])]
+    for mode in ("bucket", "pack"):
+        if mode in text["batching"]:
+            pairs += [(mode, tokens) for tokens in text["tokens_per_batch"]]
+    return pairs
+
+
 def candidates(m: Measurements) -> list[Candidate]:
     """Every combination of the knobs the measurements cover (infeasible ones left out)."""
+    if m.text:
+        base = dataclasses.replace(m, text=None)
+        return [dataclasses.replace(c, batching=mode, tokens_per_batch=tokens)
+                for c in candidates(base) for mode, tokens in token_choices(m)]
     steps = {key: spe_choices(timing, m.steps_per_epoch) for key, timing in m.step.items()}
     threads = sorted({0, *([m.cores - 1] if m.cores > 1 else [])})
     inputs = [("device", "none", "batched", 0)] if m.device_ok else []

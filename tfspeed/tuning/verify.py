@@ -18,7 +18,8 @@ VERIFY_SECONDS = 3.0  # of timed steady-state steps per verification run
 MIN_BUDGET_S = 20.0  # TF's start in two processes, the first measurements, one short run
 SETUP_S = 4.0  # a run's own setup: the model, the pipeline, tracing
 NOISE = 0.03  # runs closer than this to the fastest count as equally fast
-_DATA_KNOBS = ("input_placement", "cache", "parse", "input_threads")
+_DATA_KNOBS = ("input_placement", "cache", "parse", "input_threads", "batching",
+               "tokens_per_batch")
 _RUNTIME_KNOBS = ("precision", "xla")
 _TRAIN_KNOBS = ("steps_per_execution", "train_steps", "log_every", "checkpoint_every", "epochs")
 
@@ -127,7 +128,14 @@ def verify(config, c: Candidate | None, run_dir: str, plan: RunPlan) -> dict:
     # this, and held their speed with it (measured once on 2 cores, not benchmarked).
     keras.backend.clear_session()
     gc.collect()
-    return {"examples_per_sec": report["examples_per_sec"],
+    tokens = {"real_tokens_per_sec": report["real_tokens_per_sec"],
+              "padding_fraction": report["padding_fraction"],
+              "compiled_functions": report.get("compiled_functions")
+              } if "real_tokens_per_sec" in report else {}
+    # Token batches: sequences/s, what every batching delivers alike (rows/s would favour
+    # padding); the candidates' own order is by real tokens/s, the same up to the mean length.
+    return {"examples_per_sec": report["sequences_per_sec"] if tokens
+            else report["examples_per_sec"], **tokens,
             "seconds": round(seconds, 2), "micro_steps": plan.micro_steps,
             "expected_seconds": round(plan.seconds, 1),
             "input_wait_pct": report.get("input_wait_pct"), "resolved": _resolved(report),
@@ -135,14 +143,19 @@ def verify(config, c: Candidate | None, run_dir: str, plan: RunPlan) -> dict:
 
 
 def knob_values(c: Candidate) -> dict:
-    return dataclasses.asdict(c)
+    """``c``'s knobs to set (the token knobs only where they apply)."""
+    return {k: v for k, v in dataclasses.asdict(c).items()
+            if v or k not in ("batching", "tokens_per_batch")}
 
 
 def _resolved(report: dict) -> dict:
     """What the driver settled on in a run (its ``auto`` choices resolved)."""
     split = report["config"]["data"]["train_split"]
     where = report["input"]["placement"]["where"]
-    return {"input_placement": where,
+    batching = report["input"].get("batching")  # token records
+    tokens = {"batching": batching["mode"], "tokens_per_batch": batching["tokens_per_batch"]
+              } if batching else {}
+    return {**tokens, "input_placement": where,
             "cache": report["input"]["cache"].get(split, {}).get("mode", "none"),
             "parse": report["config"]["data"]["parse"].replace("auto", "batched"),
             "input_threads": report["config"]["data"].get("input_threads", 0),
@@ -154,7 +167,9 @@ def _resolved(report: dict) -> dict:
 def as_candidate(resolved: dict) -> Candidate | None:
     """The candidate a run's resolved settings amount to (None if it is none of them)."""
     try:
-        return Candidate(**{f.name: resolved[f.name] for f in dataclasses.fields(Candidate)})
+        return Candidate(**{f.name: resolved[f.name] if f.default is dataclasses.MISSING
+                            else resolved.get(f.name, f.default)
+                            for f in dataclasses.fields(Candidate)})
     except (KeyError, TypeError):
         return None
 
@@ -165,7 +180,7 @@ def to_verify(ranked: list[dict], n: int) -> list[dict]:
     groups, firsts = set(), []
     for r in ranked:
         c = r["candidate"]
-        key = (c.input_placement, c.cache)
+        key = (c.input_placement, c.cache, c.batching)  # batching: "" unless token records
         if key not in groups:
             groups.add(key)
             firsts.append(r)
@@ -173,7 +188,8 @@ def to_verify(ranked: list[dict], n: int) -> list[dict]:
     seen, out = set(), []
     for r in firsts + rest:  # then the next best, one per distinct input setup
         c = r["candidate"]
-        key = (c.input_placement, c.cache, c.parse, c.input_threads)
+        key = (c.input_placement, c.cache, c.parse, c.input_threads, c.batching,
+               c.tokens_per_batch)
         if key not in seen:
             seen.add(key)
             out.append(r)
@@ -182,7 +198,8 @@ def to_verify(ranked: list[dict], n: int) -> list[dict]:
 
 def changes(c: Candidate, resolved: dict) -> int:
     """How many of ``c``'s knobs differ from the ``resolved`` settings of a run."""
-    return sum(str(v) != str(resolved.get(k)) for k, v in dataclasses.asdict(c).items())
+    return sum(str(v) != str(resolved.get(k)) for k, v in knob_values(c).items()
+               if not (k == "tokens_per_batch" and c.batching == "pad"))
 
 
 # ------------------------------------------------------------------ the runs
@@ -223,7 +240,8 @@ class Verifier:
         if self.check(user, "your flags"):
             mine = as_candidate(user["measured"]["resolved"])
             user["predicted"] = predict(mine, self.m)["examples_per_sec"] if mine and (
-                mine.step_key in self.m.step) else None
+                mine.step_key in self.m.step) and (not mine.batching or mine.batching in (
+                    self.m.text or {}).get("batching", {})) else None
         for entry in to_verify(ranked, n):
             self.check(entry, entry["candidate"].label())
         return user

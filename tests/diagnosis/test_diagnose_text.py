@@ -1,0 +1,61 @@
+"""tfspeed.diagnose on token records: the padding the job computes, and the batching to try."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO
+from tfspeed import diagnose
+from tfspeed.config import Config, DataConfig, ModelConfig, RuntimeConfig, TrainConfig
+
+QUICK = diagnose.Options(steps=12, warmup=3, profile_steps=4)
+TINY = {"name": "transformer", "width": 16, "depth": 1, "heads": 2}
+
+
+@pytest.fixture(scope="module")
+def stdlib_corpus(tmp_path_factory) -> str:
+    """Python's json, logging and http sources, BPE-tokenised, in pieces of up to 512
+    tokens: lengths from a few tokens to 512, so padding each batch to its longest wastes
+    ~38% (the schema's expected figure), well clear of the advice's 20% threshold."""
+    out = tmp_path_factory.mktemp("stdlib") / "data"
+    subprocess.run([sys.executable, str(REPO / "scripts" / "to_tfrecord.py"),
+                    "--source=pystdlib:json,logging,http", f"--output={out}",
+                    "--tokenizer=bpe:2000", "--max_length=512", "--long=split"],
+                   check=True, capture_output=True)
+    return str(out)
+
+
+def _diagnose(data_dir, model_dir, batching):
+    config = Config(
+        data=DataConfig(data_dir=data_dir, batch_size=8, eval_split="", batching=batching),
+        model=ModelConfig(**TINY), runtime=RuntimeConfig(precision="float32"),
+        train=TrainConfig(steps_per_execution=1), model_dir=str(model_dir)).validate()
+    result = diagnose.run(config, QUICK)
+    with open(model_dir / "diagnose" / "diagnose.json") as f:
+        return result, json.load(f)
+
+
+def test_padded_batches_name_packing_as_the_fix(stdlib_corpus, tmp_path, capsys):
+    _, written = _diagnose(stdlib_corpus, tmp_path, "pad")
+    assert written["padding_fraction"] > 0.2, written["tokens"]
+    assert written["real_tokens_per_sec"] > 0 and written["unit"] == "sequences"
+    assert written["tokens"]["real_tokens"] < written["tokens"]["computed_tokens"]
+    assert written["batching"]["mode"] == "pad"
+    # Token pipelines are timed whole: their stage cuts end in unbatchable sequences.
+    assert list(written["stages_ms_per_batch"]) == ["read+batch"]
+    advice = [s["advice"] for s in written["next_steps"]]
+    padding = [a for a in advice if "of the tokens computed are padding" in a]
+    assert padding and "--batching=pack" in padding[0], advice  # the larger gain first
+    assert any("--batching=bucket" in a for a in padding)
+    printed = capsys.readouterr().out
+    assert "sequences/s" in printed and "real tokens/s" in printed
+    assert "--batching=pack" in printed
+
+
+def test_packed_batches_have_little_padding_and_no_batching_advice(stdlib_corpus, tmp_path):
+    _, written = _diagnose(stdlib_corpus, tmp_path, "pack")
+    assert written["padding_fraction"] < 0.05, written["tokens"]
+    assert written["batching"]["mode"] == "pack"
+    assert not [s for s in written["next_steps"] if "--batching=" in s["advice"]]
