@@ -2,6 +2,7 @@
 converter): the transformer trains under each batching mode for classification and lm,
 resumes exactly, and trains mirrored over two CPU replicas; report.json says how it batched."""
 
+import dataclasses
 import math
 import os
 import shutil
@@ -97,3 +98,29 @@ def test_mirrored_trains(corpora, tmp_path, batching):
 def test_an_image_model_on_text_is_refused_in_one_line(corpora, tmp_path):
     with pytest.raises(UsageError, match="does not take token records"):
         run(_config(corpora["classification"], tmp_path, model="mlp", steps=1))
+
+
+@pytest.mark.parametrize("batching", ["bucket", "pack"])
+def test_an_epoch_of_text_is_one_pass_over_its_tokens(corpora, tmp_path, batching):
+    """--epochs counts passes over the split's tokens, not --batch_size records: a batch is a
+    token budget under bucket and pack."""
+    from tfspeed.data import schema as schema_lib
+    from tfspeed.data import text
+
+    config = _config(corpora["classification"], tmp_path, batching=batching, steps=0)
+    config = dataclasses.replace(  # a budget of 1024 tokens: twice --batch_size x --max_length
+        config, data=dataclasses.replace(config.data, tokens_per_batch=1024),
+        train=dataclasses.replace(config.train, epochs=1))
+    report = run(config)
+    schema = schema_lib.read(corpora["classification"])
+    chosen = text.Batching(**{**report["input"]["batching"],
+                              "boundaries": tuple(report["input"]["batching"]["boundaries"]),
+                              "bucket_batch_sizes": tuple(
+                                  report["input"]["batching"]["bucket_batch_sizes"])})
+    expected = text.batches_per_epoch(chosen, schema, "train")
+    assert report["optimizer_updates"] == expected
+    tokens = schema.split("train").text["tokens"]
+    computed = expected * chosen.tokens_per_batch
+    # One pass: the tokens trained on are the split's, less a last partial batch per bucket.
+    assert 0.6 * tokens <= computed <= 1.2 * tokens, (computed, tokens)
+    assert report["optimizer_updates"] < 0.6 * (schema.split("train").num_records // 8)

@@ -139,10 +139,16 @@ def _tokens(config, schema, split, training, steps, shuffle, deterministic, num_
             pipeline_id, replicas, until=None):
     """The text pipeline: read -> examples -> cache -> shuffle -> repeat -> batch ->
     prefetch, batched as ``text.resolve`` says (the same figures the job and report use)."""
-    if config.data_service:
-        raise UsageError("--data_service does not serve token records yet: packing and "
-                         "bucketing run in the training process; drop --data_service")
     batching = text.resolve(config, schema, replicas=replicas)
+    counts = text.length_counts(schema, split)
+    longest = int(np.flatnonzero(counts)[-1]) if counts.any() else 0
+    if config.data_service and training and until is None:
+        ds = _tokens_through_service(config, schema, split, steps, shuffle, deterministic,
+                                     num_pipelines, pipeline_id)
+        ds = text.batch(ds, batching, training=True, longest=longest,
+                        num_pipelines=num_pipelines, local_replicas=replicas // num_pipelines,
+                        deterministic=deterministic)
+        return ds.prefetch(AUTOTUNE).with_options(_options(config, deterministic))
     ds = _records(config, schema, split, num_pipelines, pipeline_id, shuffle, deterministic,
                   parse=until != "read")
     if until == "read":
@@ -163,8 +169,6 @@ def _tokens(config, schema, split, training, steps, shuffle, deterministic, num_
         ds = ds.repeat()  # before batching: no short batch (or bucket remainder) mid-run
     if until == "augment":
         return ds
-    counts = text.length_counts(schema, split)
-    longest = int(np.flatnonzero(counts)[-1]) if counts.any() else 0
     ds = text.batch(ds, batching, training=training, longest=longest,
                     num_pipelines=num_pipelines, local_replicas=replicas // num_pipelines,
                     deterministic=deterministic)
@@ -325,16 +329,7 @@ def _through_service(config, schema, split, steps, batch_size, shuffle, determin
     ``cache`` is not applied: a worker sees only part of an epoch (a cache would hold that
     part) and each epoch is a new job. Images travel as uint8 (4× fewer bytes than float).
     """
-    from tfspeed.data import service_client as service
-
-    files, counts = _files(schema, config, split, num_pipelines, pipeline_id)
-    if num_pipelines > 1 and len(files) == len(schema.split(split).shards):
-        raise UsageError(
-            f"--data_service with {num_pipelines} training workers needs at least one shard "
-            f"file per worker, and split {split!r} has {len(files)}: reconvert with "
-            f"--shards={num_pipelines} or more")
-    # Each training worker has its own jobs over its own files: every record once per epoch
-    # over all workers, and each worker can count what it should have received.
+    expected = _service_records(config, schema, split, num_pipelines, pipeline_id)
     remote_steps = dataclasses.replace(steps, decode=steps.decode_uint8,
                                        augment=steps.augment_uint8, scale_in_map=False)
     # uint8 arrives here, ungrouped: scaled per batch, batched in parallel.
@@ -350,22 +345,65 @@ def _through_service(config, schema, split, steps, batch_size, shuffle, determin
     # Records travel in groups: one RPC per record caps a worker far below what groups of 64
     # move (measured once on the digits, not benchmarked; benchmarks/scaling.py times the
     # service as built here).
-    ds = ds.batch(SERVICE_TRANSFER_BATCH)
-    remote = service.distribute(ds, config.data_service, config.data_service_sharding)
-    expected = sum(counts)
+    ds = _serve(ds.batch(SERVICE_TRANSFER_BATCH), config, split, expected, deterministic)
+    return _batched(ds.unbatch(), config, steps, batch_size, True, deterministic)
+
+
+def _tokens_through_service(config, schema, split, steps, shuffle, deterministic,
+                            num_pipelines=1, pipeline_id=0):
+    """Token records read -> parsed -> made examples -> shuffled on tf.data service workers;
+    returns this process's endless dataset of per-sequence examples, for ``text.batch``.
+
+    Why this cut: batching stays here, as for images, and more so: ``pack`` is a
+    ``numpy_function`` (a Python call, which a service worker cannot run for this process),
+    and every mode batches across epoch ends and splits each batch evenly over the
+    replicas. Sequences travel in padded groups and are counted per group, like images;
+    an epoch delivers each example at most once (dynamic sharding). No cache (see
+    ``_through_service``). The service keeps no position a checkpoint could save: a
+    resumed run starts a new epoch on the service (fast-forwarded by the trainer), not
+    the exact next sequence; exact resume needs local reading (no ``--data_service``).
+    """
+    expected = _service_records(config, schema, split, num_pipelines, pipeline_id)
+    ds = _records(config, schema, split, num_pipelines, pipeline_id, shuffle, deterministic,
+                  remote=True)
+    ds = _map(ds, text.make_to_example(schema.task), deterministic)
+    if shuffle:  # sequences, as locally: buckets and packed rows then mix the whole buffer
+        ds = ds.shuffle(steps.shuffle_buffer, seed=config.seed, reshuffle_each_iteration=True)
+    ds = text.to_service_groups(ds, SERVICE_TRANSFER_BATCH)
+    return text.from_service_groups(_serve(ds, config, split, expected, deterministic))
+
+
+def _service_records(config, schema, split, num_pipelines, pipeline_id) -> int:
+    """The records this training worker's service jobs hold per epoch (its own files)."""
+    files, counts = _files(schema, config, split, num_pipelines, pipeline_id)
+    if num_pipelines > 1 and len(files) == len(schema.split(split).shards):
+        raise UsageError(
+            f"--data_service with {num_pipelines} training workers needs at least one shard "
+            f"file per worker, and split {split!r} has {len(files)}: reconvert with "
+            f"--shards={num_pipelines} or more")
+    # Each training worker has its own jobs over its own files: every record once per epoch
+    # over all workers, and each worker can count what it should have received.
+    return sum(counts)
+
+
+def _serve(groups, config, split, expected, deterministic):
+    """``groups`` (of records) run on the service, one job per epoch, endlessly; each
+    epoch's groups counted by ``_count_epoch``. Returns the groups as they arrive."""
+    from tfspeed.data import service_client as service
+
+    remote = service.distribute(groups, config.data_service, config.data_service_sharding)
 
     def epoch(_):
-        return _count_epoch(remote, split, expected, config).unbatch()
+        return _count_epoch(remote, split, expected, config)
 
     # Two epochs in flight: the service tells a consumer that an epoch (a job) has ended
     # only at its next heartbeat, ~1 s after the last record; meanwhile the next epoch's
     # records flow. Each epoch still delivers every record at most once. A deterministic
     # pipeline takes epochs one after the other.
     in_flight = 1 if deterministic else 2
-    ds = tf.data.Dataset.range(2**62).interleave(
+    return tf.data.Dataset.range(2**62).interleave(
         epoch, cycle_length=in_flight, block_length=1, num_parallel_calls=in_flight,
         deterministic=deterministic)
-    return _batched(ds, config, steps, batch_size, True, deterministic)
 
 
 def _count_epoch(groups, split, expected, config):
@@ -379,14 +417,14 @@ def _count_epoch(groups, split, expected, config):
         return True
 
     def count(n, group):
-        size = tf.cast(tf.shape(group["label"])[0], tf.int64)
+        size = tf.cast(tf.shape(tf.nest.flatten(group)[0])[0], tf.int64)  # records in it
         done = tf.cond(size == 0, lambda: tf.py_function(account, [n], tf.bool),
                        lambda: tf.constant(True))
         with tf.control_dependencies([done]):
             return n + size, tf.nest.map_structure(tf.identity, group)
 
-    end = tf.nest.map_structure(lambda s: tf.zeros([0, *s.shape[1:]], s.dtype),
-                                groups.element_spec)
+    end = tf.nest.map_structure(  # token groups are [B, longest]: None -> 0
+        lambda s: tf.zeros([0, *(d or 0 for d in s.shape[1:])], s.dtype), groups.element_spec)
     groups = groups.concatenate(tf.data.Dataset.from_tensors(end))
     return groups.scan(tf.constant(0, tf.int64), count)
 

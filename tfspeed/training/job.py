@@ -43,6 +43,7 @@ class Job:
     input_report: dict = dataclasses.field(default_factory=dict)
     data_configs: dict = dataclasses.field(default_factory=dict)  # per split, cache resolved
     objectives: object = None  # the loss and metrics (tfspeed.training.objectives)
+    epoch_batches: int = 0  # token data: batches in one pass (a batch is a token budget)
 
     @property
     def train_data_config(self):
@@ -51,7 +52,7 @@ class Job:
 
     @property
     def steps_per_epoch(self) -> int:
-        return self.num_train // self.config.data.batch_size
+        return self.epoch_batches or self.num_train // self.config.data.batch_size
 
     def release(self) -> None:
         """Lets another run use ``--model_dir`` (the end of the process does it too)."""
@@ -131,8 +132,11 @@ def _build(config: Config, rt, lock: locks.Lock | None, converted_s: float = 0.0
     num_train = schema.split(data.train_split).num_records
     keras.utils.set_random_seed(data.seed)
     strategy = rt.strategy
+    epoch_batches = 0
     if text_lib.is_text(schema):
-        _check_text_batch(_batching(config, rt, schema), schema, data.train_split)
+        batching = _batching(config, rt, schema)
+        _check_text_batch(batching, schema, data.train_split)
+        epoch_batches = max(1, text_lib.batches_per_epoch(batching, schema, data.train_split))
     else:
         _check_batch(data.batch_size, num_train, rt.num_replicas, data.train_split)
     inputs = job_input.build(config, schema, strategy, num_train,
@@ -161,12 +165,12 @@ def _build(config: Config, rt, lock: locks.Lock | None, converted_s: float = 0.0
                eval_steps=eval_steps, input_shape=input_shape, num_train=num_train,
                prepare_seconds=prepare_seconds, input_sharding=sharding, lock=lock,
                preprocess=inputs.preprocess, input_report=inputs.report,
-               data_configs=inputs.configs, objectives=goals)
+               data_configs=inputs.configs, objectives=goals, epoch_batches=epoch_batches)
 
 
 # An engine built to be timed, not to train a run: its schedule never ends early.
-
 PROBE_UPDATES = 10**6
+
 
 def build_model(config: Config, rt, schema, input_shape: tuple[int, ...]):
     """The job's model, built in the strategy's scope under the current precision policy,

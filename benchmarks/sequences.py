@@ -1,0 +1,494 @@
+"""Variable-length text: the TF guide's ways of batching it against tfspeed's bucket and pack.
+
+    python benchmarks/sequences.py [--items=0] [--rounds=3] [--datasets=pystdlib,pydoc_lm]
+
+Real text only, each set converted once by the real converter (``scripts/to_tfrecord.py
+--tokenizer=bpe:8000 --max_length=512 --long=split``):
+
+  pystdlib  the converter's built-in corpus: top-level functions and classes of Python's
+            standard library, classified by their package (10 classes). Code: long texts
+            (median ~195 tokens, a tenth at the 512 cap).
+  pydoc_lm  the paragraphs of ``pydoc_data.topics`` (the language reference that ships with
+            Python: ~2,600 human-written English paragraphs, with their code examples), as a
+            jsonl file, for causal language modelling (``--task=lm``). Chosen because it is
+            prose rather than code, short (median ~30 tokens: padding costs most there) and
+            present in every CPython, with nothing to download.
+
+Contenders, each in a process of its own, all training the same transformer
+(``tfspeed.training.transformer.build_transformer``; width 64, depth 2, heads 4) for one
+pass over the same train split, in float32 (the comparison is of batching, not precision),
+with Adam at the same constant learning rate, then evaluated on the validation split:
+
+  guide_padded_batch         TFRecordDataset -> parse -> shuffle -> padded_batch(B) (each
+                             batch to its longest) -> stock ``compile``/``fit``;
+  fixed_max_length           the same, padded to --max_length (the static shape XLA users pick);
+  bucket_by_sequence_length  ``Dataset.bucket_by_sequence_length``, boundaries
+                             16/32/64/128/256/512 as in the API's example, B per bucket;
+  tfspeed_bucket             ``python -m tfspeed.train --batching=bucket --tokens_per_batch=T``;
+  tfspeed_pack               ``python -m tfspeed.train --batching=pack --tokens_per_batch=T``.
+
+Peers take B sequences per update; tfspeed's T is B times the split's mean length, rounded
+up to whole rows of --max_length: about as many real tokens per update. The peers' inputs
+are the batch contract built in a map (segment_ids = 1 where the token is not <pad>,
+positions = range); their lm loss is the TF transformer tutorial's (mean over the non-<pad>
+labels of a batch). Their evaluation is exact: summed over the whole validation split, then
+divided (per sequence for accuracy, per real token for lm loss and perplexity).
+
+--rounds interleaved rounds, the contenders' order rotated each round. Per contender and
+round: real tokens/s of the training pass after its first step (and of the whole pass with
+the first step, which traces/compiles), the padding fraction, the eval metric, the process's
+wall seconds, compiled functions. The record keeps every round and the median with min-max.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import textwrap
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+from absl import app, flags  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+from tfspeed import bench  # noqa: E402
+from tfspeed.training.transformer import build_transformer  # noqa: E402
+
+_WORKDIR = flags.DEFINE_string("workdir", "/tmp/tfspeed-bench-sequences",
+                               "Converted datasets and run directories.")
+_ITEMS = flags.DEFINE_integer("items", 0, "Texts to convert per dataset (the converter's "
+                              "--max_items, a seeded sample); 0 = all.")
+_DATASETS = flags.DEFINE_list("datasets", ["pystdlib", "pydoc_lm"], "Datasets to run.")
+_CONTENDERS = flags.DEFINE_list("contenders", None, "Contenders to run (default: all).")
+_ROUNDS = flags.DEFINE_integer("rounds", 3, "Interleaved rounds over all contenders.")
+_BATCH = flags.DEFINE_integer("batch_size", 32, "Sequences per update of the peers.")
+_TOKENS = flags.DEFINE_integer("tokens_per_batch", 0, "tfspeed's token budget; 0 = batch_size "
+                               "x the split's mean length, rounded up to a multiple of max_length.")
+_MAX_LENGTH = flags.DEFINE_integer("max_length", 512, "Longest sequence (conversion and batches).")
+_WIDTH = flags.DEFINE_integer("width", 64, "Transformer width.")
+_DEPTH = flags.DEFINE_integer("depth", 2, "Transformer blocks.")
+_HEADS = flags.DEFINE_integer("heads", 4, "Attention heads.")
+_LR = flags.DEFINE_float("learning_rate", 1e-3, "Adam's (constant) learning rate, everyone's.")
+_SEED = flags.DEFINE_integer("seed", 0, "Shuffle seed.")
+_TAG = flags.DEFINE_string("tag", "", "Suffix of the record's file name.")
+_RESULTS = flags.DEFINE_string("results_dir", os.path.join(REPO, "benchmarks", "results"),
+                               "Where the record is written ('' = print only).")
+_CONTENDER = flags.DEFINE_string("contender", "", "Internal: run this peer alone.")
+_DATA_DIR = flags.DEFINE_string("data_dir", "", "Internal: the peer's dataset.")
+
+PEERS = ("guide_padded_batch", "fixed_max_length", "bucket_by_sequence_length")
+TFSPEED = {"tfspeed_bucket": "bucket", "tfspeed_pack": "pack"}
+CONTENDERS = (*PEERS, *TFSPEED)
+GUIDE_BOUNDARIES = (16, 32, 64, 128, 256, 512)
+PAD = 0  # the converter's <pad> id (schema.json text.tokenizer.special_ids)
+RESULT = "RESULT "
+
+
+# ------------------------------------------------------------------ data
+def pydoc_paragraphs(path: str) -> str:
+    """Writes the paragraphs of ``pydoc_data.topics`` as jsonl (``{"text": ...}``)."""
+    import pydoc_data.topics
+
+
+    if not os.path.exists(path):
+        paragraphs = [textwrap.dedent(p).strip() for name in sorted(pydoc_data.topics.topics)
+                      for p in pydoc_data.topics.topics[name].split("\n\n")]
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path + ".tmp", "w") as f:
+            f.writelines(json.dumps({"text": p}) + "\n" for p in paragraphs if p)
+        os.replace(path + ".tmp", path)
+    return path
+
+
+def dataset_sources(root: str) -> dict[str, tuple[str, list[str]]]:
+    return {"pystdlib": ("pystdlib", []),
+            "pydoc_lm": (f"jsonl:{pydoc_paragraphs(os.path.join(root, 'pydoc.jsonl'))}",
+                         ["--task=lm"])}
+
+
+def prepare(name: str) -> tuple[str, dict]:
+    """Converts dataset ``name`` once (real converter, default workers) into the workdir.
+
+    Returns:
+      ``(data_dir, facts)``: facts are the conversion's options and train/validation sizes.
+    """
+    root = _WORKDIR.value
+    source, extra = dataset_sources(root)[name]
+    out = os.path.join(root, f"{name}-items{_ITEMS.value}-len{_MAX_LENGTH.value}")
+    options = [f"--source={source}", f"--output={out}", "--tokenizer=bpe:8000",
+               f"--max_length={_MAX_LENGTH.value}", "--long=split", f"--max_items={_ITEMS.value}",
+               "--noprogress", *extra]
+    if not os.path.exists(os.path.join(out, "schema.json")):
+        proc = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "to_tfrecord.py"),
+                               *options], capture_output=True, text=True, check=False)
+        if proc.returncode:
+            raise SystemExit(f"converting {name} failed:\n{proc.stderr[-3000:]}")
+    with open(os.path.join(out, "schema.json")) as f:
+        schema = json.load(f)
+    text = schema["text"]
+    facts = {"converter": " ".join(options[:1] + options[2:]), "task": text["task"],
+             "vocab_size": text["tokenizer"]["vocab_size"],
+             "num_classes": schema.get("num_classes")}
+    for split in ("train", "validation"):
+        lengths = schema["splits"][split]["text"]
+        facts.update({f"{split}_{k}": lengths[k]
+                      for k in ("records", "tokens", "median", "mean", "max")})
+    return out, facts
+
+
+def token_budget(facts: dict) -> int:
+    """tfspeed's tokens per batch: about the peers' real tokens per update, in whole rows."""
+    if _TOKENS.value:
+        return _TOKENS.value
+    length = _MAX_LENGTH.value
+    return max(1, -(-int(_BATCH.value * facts["train_mean"]) // length)) * length
+
+
+# ------------------------------------------------------------------ the peers (stock Keras)
+def read(data_dir: str, split: str, lm: bool):
+    """TFRecords -> ``(tokens int32 [L], label)`` as the TF guide parses them."""
+    files = sorted(tf.io.gfile.glob(os.path.join(data_dir, f"{split}-*.tfrecord")))
+    spec = {"tokens": tf.io.VarLenFeature(tf.int64)}
+    if not lm:
+        spec["label"] = tf.io.FixedLenFeature([], tf.int64)
+
+    def parse(record):
+        example = tf.io.parse_single_example(record, spec)
+        tokens = tf.cast(tf.sparse.to_dense(example["tokens"]), tf.int32)
+        if lm:  # next-token prediction: inputs t[:-1], labels t[1:]
+            return tokens[:-1], tokens[1:]
+        return tokens, tf.cast(example["label"], tf.int32)[None]
+
+    return tf.data.TFRecordDataset(files).map(parse, num_parallel_calls=tf.data.AUTOTUNE)
+
+
+def to_contract(tokens, label):
+    """A padded batch -> the transformer's inputs (segment_ids 1 where not <pad>)."""
+    real = tf.cast(tf.not_equal(tokens, PAD), tf.int32)
+    positions = tf.range(tf.shape(tokens)[1], dtype=tf.int32)[None, :] * real
+    return {"tokens": tokens, "segment_ids": real, "positions": positions}, label
+
+
+def batched(ds, contender: str, lm: bool):
+    """The contender's batching of ``(tokens, label)`` elements."""
+    b, length = _BATCH.value, _MAX_LENGTH.value
+    label_shape = [None] if lm else [1]
+    if contender == "guide_padded_batch":
+        ds = ds.padded_batch(b)
+    elif contender == "fixed_max_length":
+        ds = ds.padded_batch(b, padded_shapes=([length], [length] if lm else [1]))
+    elif contender == "bucket_by_sequence_length":
+        ds = ds.bucket_by_sequence_length(
+            lambda tokens, label: tf.shape(tokens)[0], list(GUIDE_BOUNDARIES),
+            [b] * (len(GUIDE_BOUNDARIES) + 1), padded_shapes=([None], label_shape))
+    else:
+        raise ValueError(f"unknown peer {contender!r}")
+    return ds.map(to_contract, num_parallel_calls=tf.data.AUTOTUNE).prefetch(tf.data.AUTOTUNE)
+
+
+TRACES = [0]  # the loss's Python body runs once per trace of the train step
+
+
+def masked_loss(label, logits):
+    """The TF transformer tutorial's loss: mean cross-entropy over the non-<pad> labels."""
+    TRACES[0] += 1
+    loss = keras.losses.sparse_categorical_crossentropy(label, logits, from_logits=True)
+    mask = keras.ops.cast(keras.ops.not_equal(label, PAD), loss.dtype)
+    return keras.ops.sum(loss * mask) / keras.ops.sum(mask)
+
+
+def masked_accuracy(label, logits):
+    ops = keras.ops
+    match = ops.cast(ops.equal(ops.cast(label, "int32"), ops.argmax(logits, -1)), "float32")
+    mask = ops.cast(ops.not_equal(label, PAD), "float32")
+    return ops.sum(match * mask) / ops.sum(mask)
+
+
+def class_loss(label, logits):
+    TRACES[0] += 1
+    return keras.ops.mean(keras.losses.sparse_categorical_crossentropy(label, logits,
+                                                                       from_logits=True))
+
+
+class StepClock(keras.callbacks.Callback):
+    """When each training step ends (``fit`` syncs on its logs each step), and how many
+    times the train step was traced meanwhile."""
+
+    def on_train_begin(self, logs=None):
+        self.begin, self.ends, self.traces_before = time.perf_counter(), [], TRACES[0]
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.ends.append(time.perf_counter())
+
+    def on_train_end(self, logs=None):
+        self.traces = TRACES[0] - self.traces_before
+
+
+def batch_tokens(ds) -> tuple[list[int], list[int], set]:
+    """Real and computed tokens of each batch of a pass, and the distinct input shapes: one
+    untimed pass over an identical pipeline (the shuffle is seeded, the maps ordered)."""
+    real, computed, shapes = [], [], set()
+    for inputs, _ in ds.as_numpy_iterator():
+        segments = inputs["segment_ids"]
+        real.append(int(np.count_nonzero(segments)))
+        computed.append(int(segments.size))
+        shapes.add(segments.shape)
+    return real, computed, shapes
+
+
+def peer_model(facts: dict, lm: bool):
+    """The same transformer as tfspeed's, compiled the stock way (float32, Adam)."""
+    keras.utils.set_random_seed(_SEED.value)
+    model = build_transformer(facts["vocab_size"], facts["vocab_size"] if lm else facts[
+        "num_classes"], "lm" if lm else "classification", width=_WIDTH.value,
+        depth=_DEPTH.value, heads=_HEADS.value, max_length=_MAX_LENGTH.value,
+        max_segments=1)  # unpacked rows: one sequence each, logits [B, 1, C] for labels [B, 1]
+    metric = masked_accuracy if lm else keras.metrics.SparseCategoricalAccuracy(name="accuracy")
+    model.compile(optimizer=keras.optimizers.Adam(_LR.value),
+                  loss=masked_loss if lm else class_loss, metrics=[metric])
+    return model
+
+
+def exact_eval(model, data_dir: str, lm: bool) -> dict:
+    """Loss and accuracy over the whole validation split, summed then divided: per real
+    token for lm (and its perplexity), per sequence for classification. Padding cannot
+    change these (attention and pooling are masked), so every peer is evaluated on the
+    guide's padded batches."""
+    @tf.function(reduce_retracing=True)
+    def sums(inputs, label):
+        logits = model(inputs, training=False)
+        ce = tf.nn.sparse_softmax_cross_entropy_with_logits(label, logits)
+        weight = tf.cast(tf.not_equal(label, PAD), tf.float32) if lm else tf.ones_like(ce)
+        correct = tf.cast(tf.equal(tf.argmax(logits, -1, output_type=tf.int32), label),
+                          tf.float32)
+        return tf.stack([tf.reduce_sum(ce * weight), tf.reduce_sum(correct * weight),
+                         tf.reduce_sum(weight)])
+
+    total = tf.zeros([3])
+    for inputs, label in batched(read(data_dir, "validation", lm), "guide_padded_batch", lm):
+        total += sums(inputs, label)
+    loss, correct, weight = (float(x) for x in total.numpy())
+    metrics = {"loss": loss / weight, "accuracy": correct / weight}
+    if lm:
+        metrics["perplexity"] = math.exp(metrics["loss"])
+    return metrics
+
+
+def run_peer(contender: str, data_dir: str, facts: dict) -> dict:
+    """One peer's pass, timed by step; then its exact evaluation."""
+    lm = facts["task"] == "lm"
+
+    def train_ds():
+        ds = read(data_dir, "train", lm).shuffle(10_000, seed=_SEED.value)
+        return batched(ds, contender, lm)
+
+    real, computed, shapes = batch_tokens(train_ds())
+    model = peer_model(facts, lm)
+    clock = StepClock()
+    model.fit(train_ds(), epochs=1, verbose=0, callbacks=[clock])
+    if len(clock.ends) != len(real):
+        raise SystemExit(f"{contender}: {len(clock.ends)} steps, {len(real)} batches counted")
+    steady = clock.ends[-1] - clock.ends[0]
+    return {"real_tokens_per_sec": sum(real[1:]) / steady if steady > 0 else None,
+            "real_tokens_per_sec_with_first_step": sum(real) / (clock.ends[-1] - clock.begin),
+            "train_seconds": steady, "first_step_seconds": clock.ends[0] - clock.begin,
+            "padding_fraction": 1 - sum(real) / sum(computed), "steps": len(real),
+            "real_tokens": sum(real), "computed_tokens": sum(computed),
+            "compiled_functions": clock.traces,  # traces of Keras' train step "distinct_input_shapes": len(shapes),
+            "eval_metrics": exact_eval(model, data_dir, lm), "pid": os.getpid(),
+            "tf_version": tf.__version__}
+
+
+# ------------------------------------------------------------------ tfspeed (the driver)
+def tfspeed_command(mode: str, data_dir: str, model_dir: str, facts: dict) -> list[str]:
+    """``python -m tfspeed.train`` as a user runs it: one pass, float32, the peers' model,
+    optimizer and learning rate; everything else left to tfspeed's defaults."""
+    return [sys.executable, "-m", "tfspeed.train", f"--data_dir={data_dir}",
+            f"--model_dir={model_dir}", "--model=transformer", f"--batching={mode}",
+            f"--tokens_per_batch={token_budget(facts)}", f"--max_length={_MAX_LENGTH.value}",
+            f"--batch_size={_BATCH.value}",  # the peers' sequences per batch (pad mode's B)
+            f"--width={_WIDTH.value}", f"--depth={_DEPTH.value}", f"--heads={_HEADS.value}",
+            "--epochs=1", "--precision=float32", "--optimizer=adam",
+            f"--learning_rate={_LR.value}", "--lr_schedule=constant", "--warmup_steps=0"]
+
+
+def run_tfspeed(contender: str, data_dir: str, facts: dict) -> dict:
+    """Runs the driver into a fresh model dir and reads its report.json."""
+    model_dir = os.path.join(_WORKDIR.value, "runs", f"{os.path.basename(data_dir)}-{contender}")
+    shutil.rmtree(model_dir, ignore_errors=True)
+    command = tfspeed_command(TFSPEED[contender], data_dir, model_dir, facts)
+    proc = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    _, err = proc.communicate()
+    report_path = os.path.join(model_dir, "report.json")
+    if proc.returncode or not os.path.exists(report_path):
+        return {"failed": " ".join(command[1:]), "error": err.strip()[-1500:], "pid": proc.pid}
+    with open(report_path) as f:
+        report = json.load(f)
+    keys = ("real_tokens_per_sec", "padding_fraction", "compiled_functions", "eval_metrics",
+            "optimizer_updates", "too_few_steps", "steps_measured", "sequences_per_sec",
+            "seconds", "steps_per_execution")
+    result = {k: _find(report, k) for k in keys}
+    # About one pass's worth of updates (T holds ~B sequences' tokens), else not comparable:
+    # the driver counts a pass as train records // --batch_size updates.
+    expected = facts["train_tokens"] / token_budget(facts)
+    if not 0.75 <= (result["optimizer_updates"] or 0) / expected <= 1.33:
+        result["warning"] = (f"{result['optimizer_updates']} updates, about {expected:.0f} "
+                             "expected for one pass")
+    if result["too_few_steps"]:  # the driver's figure then spans every step, warm-up included
+        result["real_tokens_per_sec_with_first_step"] = result.pop("real_tokens_per_sec")
+    return {**result, "batching": _find(report, "batching"), "pid": proc.pid}
+
+
+def _find(report: dict, key: str):
+    """``key`` at the report's top level or one level down (its layout is still moving)."""
+    if key in report:
+        return report[key]
+    for value in report.values():
+        if isinstance(value, dict) and key in value:
+            return value[key]
+    return None
+
+
+# ------------------------------------------------------------------ rounds and the record
+def in_process_of_its_own(contender: str, data_dir: str, facts: dict) -> dict:
+    """One contender's run in a fresh process; adds the process's wall seconds."""
+    start = time.perf_counter()
+    if contender in TFSPEED:
+        result = run_tfspeed(contender, data_dir, facts)
+    else:
+        proc = subprocess.run([sys.executable, os.path.abspath(__file__),
+                               f"--contender={contender}", f"--data_dir={data_dir}",
+                               *_shared_flags()], capture_output=True, text=True, check=False)
+        lines = [x for x in proc.stdout.splitlines() if x.startswith(RESULT)]
+        result = (json.loads(lines[-1][len(RESULT):]) if lines and not proc.returncode else
+                  {"failed": contender, "error": proc.stderr.strip()[-1500:]})
+    return {**result, "wall_seconds": time.perf_counter() - start}
+
+
+def _shared_flags() -> list[str]:
+    return [f"--{f.name}={f.value}" for f in (_WORKDIR, _ITEMS, _BATCH, _MAX_LENGTH, _WIDTH,
+                                              _DEPTH, _HEADS, _LR, _SEED)]
+
+
+def summary(values: list) -> dict | None:
+    values = [v for v in values if isinstance(v, int | float)]
+    if not values:
+        return None
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def eval_metric(result: dict, name: str):
+    """``name`` from the run's eval metrics; perplexity is exp(loss per real token) where
+    only the (exact, per-token) loss is reported."""
+    metrics = result.get("eval_metrics") or {}
+    value = metrics.get(name, metrics.get(f"eval_{name}"))
+    if value is None and name == "perplexity" and metrics.get("loss") is not None:
+        value = math.exp(metrics["loss"])
+    return value
+
+
+FIGURES = ("real_tokens_per_sec", "real_tokens_per_sec_with_first_step", "first_step_seconds",
+           "padding_fraction", "wall_seconds", "compiled_functions")
+
+
+def summarise(rounds: list[dict], lm: bool) -> dict:
+    """Every round, and the median with min-max of each figure over the comparable rounds
+    (not failed, and a whole pass trained)."""
+    usable = [r for r in rounds if "failed" not in r and "warning" not in r]
+    out = {"rounds": rounds, "failed_rounds": sum("failed" in r for r in rounds),
+           "rounds_left_out": len(rounds) - len(usable)}
+    for figure in FIGURES:
+        out[figure] = summary([r.get(figure) for r in usable])
+    for metric in ("loss", "perplexity") if lm else ("accuracy", "loss"):
+        out[f"eval_{metric}"] = summary([eval_metric(r, metric) for r in usable])
+    return out
+
+
+def ratios_of(figures: dict) -> dict:
+    """Medians of real tokens/s: each tfspeed mode / the guide, best tfspeed / best peer;
+    after the first step, and over the whole pass with it (where tfspeed ran too few steps
+    to leave its warm-up out, only the latter)."""
+    ratios = {}
+    for figure, suffix in (("real_tokens_per_sec", ""),
+                           ("real_tokens_per_sec_with_first_step", ", with first step")):
+        median = {c: (f[figure] or {}).get("median") for c, f in figures.items()}
+        guide = median.get("guide_padded_batch")
+        for name in TFSPEED:
+            if median.get(name) and guide:
+                ratios[f"{name}/guide_padded_batch{suffix}"] = median[name] / guide
+        peers = [median[c] for c in PEERS if median.get(c)]
+        ours = [median[c] for c in TFSPEED if median.get(c)]
+        if peers and ours:
+            ratios[f"best_tfspeed/best_peer{suffix}"] = max(ours) / max(peers)
+    return ratios
+
+
+def run_rounds(datasets: dict, contenders: list[str]) -> dict:
+    """``--rounds`` rounds; in round r the contenders' order is rotated by r."""
+    results = {d: {c: [] for c in contenders} for d in datasets}
+    for r in range(_ROUNDS.value):
+        order = contenders[r % len(contenders):] + contenders[:r % len(contenders)]
+        for name, (data_dir, facts) in datasets.items():
+            for contender in order:
+                result = in_process_of_its_own(contender, data_dir, facts)
+                results[name][contender].append({"round": r, **result})
+                print(f"round {r} {name} {contender}: "
+                      f"{result.get('real_tokens_per_sec') or result.get('error', '')[-300:]}",
+                      file=sys.stderr, flush=True)
+    return results
+
+
+def main(argv):
+    del argv
+    if _CONTENDER.value:  # one peer, in a process of its own
+        _, facts = prepare(os.path.basename(_DATA_DIR.value).split("-items")[0])
+        print(RESULT + json.dumps(run_peer(_CONTENDER.value, _DATA_DIR.value, facts)))
+        return
+    contenders = _CONTENDERS.value or list(CONTENDERS)
+    datasets = {name: prepare(name) for name in _DATASETS.value}
+    results = run_rounds(datasets, contenders)
+    figures = {name: {c: summarise(rounds, datasets[name][1]["task"] == "lm")
+                      for c, rounds in per.items()} for name, per in results.items()}
+    ratios = {name: ratios_of(per) for name, per in figures.items()}
+    config = {
+        "datasets": {name: {**facts, "tokens_per_batch": token_budget(facts)}
+                     for name, (_, facts) in datasets.items()},
+        "why_pydoc_lm": "pydoc_data.topics ships with every CPython: human-written English "
+                        "prose (the language reference), short paragraphs, nothing to download; "
+                        "it complements pystdlib (code, long texts) and exercises the lm task",
+        "contenders": contenders, "rounds": _ROUNDS.value, "batch_size": _BATCH.value,
+        "max_length": _MAX_LENGTH.value, "model": {"width": _WIDTH.value, "depth": _DEPTH.value,
+                                                   "heads": _HEADS.value},
+        "precision": "float32 for every contender (the comparison is of batching)",
+        "optimizer": f"adam, constant learning rate {_LR.value}", "passes": 1,
+        "guide_boundaries": list(GUIDE_BOUNDARIES),
+        "timing": "real_tokens_per_sec: real (non-padding) tokens trained on after the first "
+                  "step / the time after it; *_with_first_step: the whole pass with the first "
+                  "step's trace; wall_seconds: the whole process (start-up, eval included)",
+        "tfspeed_command": " ".join(tfspeed_command("MODE", "DATA", "RUN", next(iter(
+            datasets.values()))[1])[1:]),
+    }
+    record = bench.record("sequences", config, figures, ratios)
+    text = json.dumps(record, indent=2)
+    print(text)
+    if _RESULTS.value:
+        name = f"sequences-{datetime.date.today().isoformat()}{'-' + _TAG.value if _TAG.value else ''}"
+        os.makedirs(_RESULTS.value, exist_ok=True)
+        with open(os.path.join(_RESULTS.value, name + ".json"), "w") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    app.run(main)
