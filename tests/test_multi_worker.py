@@ -158,7 +158,7 @@ def test_a_live_workers_directory_is_refused_and_a_dead_ones_removed(tmp_path):
     from tfspeed.training.trainer import _worker_dir
 
     holder = subprocess.Popen(  # the real context, in a light process (no TensorFlow)
-        [sys.executable, "-c", "import os, sys, time\nfrom tfspeed import locks\n"
+        [sys.executable, "-c", "import os, sys, time\nfrom tfspeed.util import locks\n"
          "with locks.own_dir(sys.argv[1], '.worker-1', 'w', 'f') as path:\n"
          "    os.makedirs(path); print(path, flush=True); time.sleep(120)\n", str(tmp_path)],
         cwd=REPO, env=ENV, stdout=subprocess.PIPE, text=True)

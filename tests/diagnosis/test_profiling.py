@@ -31,7 +31,7 @@ def _xplanes(model_dir):
     ("host", 8, (9, 12), 24),     # starts at a call's edge, ends inside the next; tf.data
     ("device", 8, (6, 19), 32),   # starts and ends inside calls, spans several
     ("host", 8, (6, 19), 32),
-    ("auto", 0, (10, 15), 30),    # --steps_per_execution=auto chose 16: 1-16 was one call
+    ("auto", "auto", (10, 15), 30),    # --steps_per_execution=auto chose 16: 1-16 was one call
 ])
 def test_the_profile_holds_the_requested_window_whatever_the_calls(
         digits_dir, tmp_path, placement, steps_per_execution, window, train_steps):

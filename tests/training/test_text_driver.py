@@ -34,8 +34,8 @@ def _config(data_dir, model_dir, *, batching="auto", steps=6, strategy="default"
     ).validate()
 
 
-@pytest.mark.parametrize("task", ["classification", "lm"])
-@pytest.mark.parametrize("batching", ["pad", "bucket", "pack"])
+@pytest.mark.parametrize("task, batching", [("classification", "pad"), ("lm", "bucket"),
+                                            ("classification", "pack"), ("lm", "pack")])
 def test_each_batching_trains_and_reports(corpora, tmp_path, task, batching):
     report = run(_config(corpora[task], tmp_path, batching=batching))
     assert report["optimizer_updates"] == 6
@@ -86,7 +86,7 @@ def test_pack_resumes_exactly(corpora, tmp_path):
     assert again["weights_sha256"] == straight["weights_sha256"]
 
 
-@pytest.mark.parametrize("batching", ["pack", "bucket"])
+@pytest.mark.parametrize("batching", ["bucket"])
 def test_mirrored_trains(corpora, tmp_path, batching):
     report = run(_config(corpora["classification"], tmp_path, batching=batching,
                          strategy="mirrored", replicas=2))

@@ -3,19 +3,16 @@
 import contextlib
 import io
 import json
-import subprocess
-import sys
 
 import pytest
 
-from tests.conftest import REPO
 from tfspeed.tuning import measurements as ms
 from tfspeed.tuning import predict
 from tfspeed.tuning.tune import run as run_tune
 
 # Twice tests/test_tune.py's: measuring batches three ways and times a transformer's step
 # (XLA off and on) before any run verifies; 60 s left none on a busy 2-core machine.
-TUNE_BUDGET_S = 120
+TUNE_BUDGET_S = 75
 
 
 def _text_measurements():
@@ -54,17 +51,13 @@ def test_token_candidates_rank_by_real_tokens_and_keep_their_json():
 
 
 @pytest.fixture(scope="module")
-def tuned_text(tmp_path_factory):
+def tuned_text(tmp_path_factory, text_dirs):
     from absl.testing import flagsaver
 
     from tfspeed.config import flags as tfspeed_flags
 
     root = tmp_path_factory.mktemp("tune_text")
-    data = root / "data"
-    subprocess.run([sys.executable, str(REPO / "scripts" / "to_tfrecord.py"),
-                    "--source=pystdlib:json,logging,http", f"--output={data}",
-                    "--tokenizer=bpe:2000", "--max_length=256", "--long=split"],
-                   check=True, capture_output=True)
+    data = text_dirs["classification"]  # the session's small corpus (max_length 64)
     flagfile = root / "job.flags"
     flagfile.write_text(f"--data_dir={data}\n--model=transformer\n--width=16\n--depth=1\n"
                         "--heads=2\n--batching=pad\n--batch_size=16\n--precision=float32\n"
@@ -75,7 +68,7 @@ def tuned_text(tmp_path_factory):
         tfspeed_flags.parse(["tfspeed.tune", *args])
         config = tfspeed_flags.to_config()
         run_tune(config, args, budget_s=TUNE_BUDGET_S, tune_dir=str(root / "run" / "tune"),
-                 verify_n=2)
+                 verify_n=1)
     return root, stdout.getvalue()
 
 

@@ -307,7 +307,7 @@ def _with_threads(plan: Plan, config: RuntimeConfig, hw: Hardware, forward_flops
     if is_auto(config.intra_op_threads) and forward_flops and not (hw.gpus or environ):
         flops = forward_flops(_replicas_before_strategy(plan))
     count, why = threads.choose(config.intra_op_threads, flops, len(hw.gpus), environ)
-    applied = threads.apply(count)
+    applied = threads.apply(count, config.intra_op_threads)
     if applied != count:
         why += f" (not applied: TensorFlow had started; {applied or 'its default'} in force)"
     return dataclasses.replace(plan, intra_op_threads=applied,

@@ -103,10 +103,12 @@ def forward_flops(build, input_shape, batch: int) -> float | None:
         tf_logger.setLevel(level)
 
 
-def apply(threads: int) -> int:
+def apply(threads: int, requested: int | str = 0) -> int:
     """Sets TensorFlow's intra-op threads (0: leave its default); returns the value in force.
 
-    Only before TensorFlow's runtime starts; afterwards logs a warning and changes nothing.
+    Only before TensorFlow's runtime starts; afterwards it changes nothing and says so: a
+    warning when the user asked for ``threads``, an info line when ``auto`` chose it (a
+    notebook or a second run in one process; the report's reason says "not applied" too).
     """
     import tensorflow as tf
 
@@ -114,5 +116,6 @@ def apply(threads: int) -> int:
         try:
             tf.config.threading.set_intra_op_parallelism_threads(threads)
         except RuntimeError as e:
-            logging.warning("--intra_op_threads=%d not applied: %s", threads, e)
+            say = logging.info if requested == AUTO else logging.warning
+            say("--intra_op_threads=%d not applied: %s", threads, e)
     return tf.config.threading.get_intra_op_parallelism_threads()
