@@ -85,3 +85,12 @@ def test_precision_probe_calls_have_the_size_all_workers_agree_on():
     engines = {"float32": _Steps(1e-3, log), "mixed_bfloat16": _Steps(1e-3, log)}
     autotune.time_steps(engines, None, call_s=0.05, rounds=1, agree=lambda step_s: 0.025)
     assert [n for _, n in log[4:]] == [2, 2]
+
+
+def test_the_precision_probe_is_bounded_by_the_runs_length():
+    # 5 rounds of 64-step calls for 2 engines = 640 steps: fine for a long run...
+    assert autotune.probe_rounds(5, 64, 2, run_steps=100_000) == 5
+    # ...but a 2,000-step run gets 5% of it (100 steps): 0 rounds of 128 steps -> at least 1.
+    assert autotune.probe_rounds(5, 64, 2, run_steps=2_000) == 1
+    assert autotune.probe_rounds(5, 8, 2, run_steps=1_000) == 3  # 50 // 16
+    assert autotune.probe_rounds(5, 8, 2, run_steps=0) == 5  # the run's length is unknown

@@ -18,7 +18,7 @@ import tensorflow as tf
 from absl import logging
 
 from tfspeed.config import DataConfig
-from tfspeed.data import cache, ops, plan, text
+from tfspeed.data import cache, ops, plan, service_client, text
 from tfspeed.data import schema as schema_lib
 from tfspeed.data.cache import cache_path  # noqa: F401 -- part of this module's API
 from tfspeed.data.plan import CachePlan, plan_cache  # noqa: F401 -- part of this module's API
@@ -345,7 +345,8 @@ def _through_service(config, schema, split, steps, batch_size, shuffle, determin
     # Records travel in groups: one RPC per record caps a worker far below what groups of 64
     # move (measured once on the digits, not benchmarked; benchmarks/scaling.py times the
     # service as built here).
-    ds = _serve(ds.batch(SERVICE_TRANSFER_BATCH), config, split, expected, deterministic)
+    ds = service_client.serve(ds.batch(SERVICE_TRANSFER_BATCH), config, split, expected,
+                              deterministic)
     return _batched(ds.unbatch(), config, steps, batch_size, True, deterministic)
 
 
@@ -370,7 +371,8 @@ def _tokens_through_service(config, schema, split, steps, shuffle, deterministic
     if shuffle:  # sequences, as locally: buckets and packed rows then mix the whole buffer
         ds = ds.shuffle(steps.shuffle_buffer, seed=config.seed, reshuffle_each_iteration=True)
     ds = text.to_service_groups(ds, SERVICE_TRANSFER_BATCH)
-    return text.from_service_groups(_serve(ds, config, split, expected, deterministic))
+    groups = service_client.serve(ds, config, split, expected, deterministic)
+    return text.from_service_groups(groups)
 
 
 def _service_records(config, schema, split, num_pipelines, pipeline_id) -> int:
@@ -384,49 +386,6 @@ def _service_records(config, schema, split, num_pipelines, pipeline_id) -> int:
     # Each training worker has its own jobs over its own files: every record once per epoch
     # over all workers, and each worker can count what it should have received.
     return sum(counts)
-
-
-def _serve(groups, config, split, expected, deterministic):
-    """``groups`` (of records) run on the service, one job per epoch, endlessly; each
-    epoch's groups counted by ``_count_epoch``. Returns the groups as they arrive."""
-    from tfspeed.data import service_client as service
-
-    remote = service.distribute(groups, config.data_service, config.data_service_sharding)
-
-    def epoch(_):
-        return _count_epoch(remote, split, expected, config)
-
-    # Two epochs in flight: the service tells a consumer that an epoch (a job) has ended
-    # only at its next heartbeat, ~1 s after the last record; meanwhile the next epoch's
-    # records flow. Each epoch still delivers every record at most once. A deterministic
-    # pipeline takes epochs one after the other.
-    in_flight = 1 if deterministic else 2
-    return tf.data.Dataset.range(2**62).interleave(
-        epoch, cycle_length=in_flight, block_length=1, num_parallel_calls=in_flight,
-        deterministic=deterministic)
-
-
-def _count_epoch(groups, split, expected, config):
-    """Passes an epoch's groups through, and at its end tells ``service.record_epoch`` how
-    many records came (counted per group: the per-record cost stays off the hot path)."""
-    from tfspeed.data import service_client as service
-
-    def account(delivered):
-        service.record_epoch(split, int(delivered), expected, config.data_service_sharding,
-                             config.data_service)
-        return True
-
-    def count(n, group):
-        size = tf.cast(tf.shape(tf.nest.flatten(group)[0])[0], tf.int64)  # records in it
-        done = tf.cond(size == 0, lambda: tf.py_function(account, [n], tf.bool),
-                       lambda: tf.constant(True))
-        with tf.control_dependencies([done]):
-            return n + size, tf.nest.map_structure(tf.identity, group)
-
-    end = tf.nest.map_structure(  # token groups are [B, longest]: None -> 0
-        lambda s: tf.zeros([0, *(d or 0 for d in s.shape[1:])], s.dtype), groups.element_spec)
-    groups = groups.concatenate(tf.data.Dataset.from_tensors(end))
-    return groups.scan(tf.constant(0, tf.int64), count)
 
 
 def input_shape(schema: schema_lib.Schema, config: DataConfig):

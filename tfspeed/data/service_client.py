@@ -125,3 +125,46 @@ def report() -> dict[str, dict]:
 def reset_report() -> None:
     with _lock:
         _counts.clear()
+
+
+def serve(groups, config, split, expected, deterministic):
+    """``groups`` (of records) run on the service, one job per epoch, endlessly; each
+    epoch's groups counted by ``count_epoch``. Returns the groups as they arrive."""
+    import tensorflow as tf
+
+    remote = distribute(groups, config.data_service, config.data_service_sharding)
+
+    def epoch(_):
+        return count_epoch(remote, split, expected, config)
+
+    # Two epochs in flight: the service tells a consumer that an epoch (a job) has ended
+    # only at its next heartbeat, ~1 s after the last record; meanwhile the next epoch's
+    # records flow. Each epoch still delivers every record at most once. A deterministic
+    # pipeline takes epochs one after the other.
+    in_flight = 1 if deterministic else 2
+    return tf.data.Dataset.range(2**62).interleave(
+        epoch, cycle_length=in_flight, block_length=1, num_parallel_calls=in_flight,
+        deterministic=deterministic)
+
+
+def count_epoch(groups, split, expected, config):
+    """Passes an epoch's groups through, and at its end tells ``service.record_epoch`` how
+    many records came (counted per group: the per-record cost stays off the hot path)."""
+    import tensorflow as tf
+
+    def account(delivered):
+        record_epoch(split, int(delivered), expected, config.data_service_sharding,
+                             config.data_service)
+        return True
+
+    def count(n, group):
+        size = tf.cast(tf.shape(tf.nest.flatten(group)[0])[0], tf.int64)  # records in it
+        done = tf.cond(size == 0, lambda: tf.py_function(account, [n], tf.bool),
+                       lambda: tf.constant(True))
+        with tf.control_dependencies([done]):
+            return n + size, tf.nest.map_structure(tf.identity, group)
+
+    end = tf.nest.map_structure(  # token groups are [B, longest]: None -> 0
+        lambda s: tf.zeros([0, *(d or 0 for d in s.shape[1:])], s.dtype), groups.element_spec)
+    groups = groups.concatenate(tf.data.Dataset.from_tensors(end))
+    return groups.scan(tf.constant(0, tf.int64), count)
