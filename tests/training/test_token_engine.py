@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from tests.training.test_transformer import make_batch as packed_batch
 from tfspeed.config import RuntimeConfig, TrainConfig
 from tfspeed.errors import UsageError
 from tfspeed.runtime import Runtime, detect_hardware, mirrored_strategy, resolve
@@ -52,30 +53,10 @@ def sentences():
 
 
 def make_batch(rows, task, length=LENGTH):
-    """rows: per row, its (ids, label) sequences, packed in order. For lm a sequence of n ids
-    gives n - 1 tokens, each labelled with the next id."""
-    shape = (len(rows), length)
-    tokens, segments, positions = (np.zeros(shape, np.int32) for _ in range(3))
-    lm_label, lm_weight = np.zeros(shape, np.int32), np.zeros(shape, np.float32)
-    segments_max = SMALL["max_segments"]
-    cls_label = np.zeros((len(rows), segments_max), np.int32)
-    cls_weight = np.zeros((len(rows), segments_max), np.float32)
-    for b, row in enumerate(rows):
-        start = 0
-        for s, (ids, label) in enumerate(row):
-            inputs = ids[:-1] if task == "lm" else ids
-            end = start + len(inputs)
-            assert end <= length, "the row overflows"
-            tokens[b, start:end], segments[b, start:end] = inputs, s + 1
-            positions[b, start:end] = np.arange(len(inputs))
-            if task == "lm":
-                lm_label[b, start:end], lm_weight[b, start:end] = ids[1:], 1.0
-            cls_label[b, s], cls_weight[b, s] = label, 1.0
-            start = end
-    x = {"tokens": tokens, "segment_ids": segments, "positions": positions}
-    y = ({"label": lm_label, "weight": lm_weight} if task == "lm"
-         else {"label": cls_label, "weight": cls_weight})
-    return x, y
+    """rows: per row, its (ids, label) sequences, packed in order (the transformer tests'
+    packing), as numpy arrays."""
+    x, y = packed_batch(rows, length, task, SMALL["max_segments"])
+    return ({k: v.numpy() for k, v in x.items()}, {k: v.numpy() for k, v in y.items()})
 
 
 def micro_batches(sentences, task, packing=PACKING, length=LENGTH):
