@@ -57,15 +57,15 @@ def test_a_short_run_times_only_the_calls_after_the_trace(digits_dir, tmp_path,
     """One log window for the whole run: before, it held the call that traced, and a
     3-epoch digits run reported 3.5x the step time of a 30-epoch one."""
     report = _run(digits_dir, tmp_path, train_steps=40, steps_per_execution=steps_per_execution)
-    assert report["steps_excluded"] == 16  # the first call: it traced the step function
-    assert report["steps_measured"] == 24
+    assert report["steps_excluded"] == 1  # the first call, of one step: it traced
+    assert report["steps_measured"] == 39
     assert not report["too_few_steps"]
-    assert report["step_time_ms"] > 0
+    assert report["step_time_ms"] > 0 and report["seconds_measured"] > 0
 
 
 def test_a_run_too_short_for_a_median_says_so(digits_dir, tmp_path, capsys):
-    report = _run(digits_dir, tmp_path, train_steps=20, steps_per_execution=16)
-    assert (report["steps_excluded"], report["steps_measured"]) == (16, 4)
+    report = _run(digits_dir, tmp_path, train_steps=5, steps_per_execution=16)
+    assert (report["steps_excluded"], report["steps_measured"]) == (1, 4)
     assert report["too_few_steps"]
     assert report["examples_per_sec"] > 0  # a figure for tools, flagged, over all steps
     assert "throughput: too few steps measured (4) for a median" in capsys.readouterr().out
@@ -79,3 +79,14 @@ def test_the_tuners_probes_and_the_profile_window_are_not_timed(digits_dir, tmp_
     # The window and one step on each side ran traced, one per call.
     assert report["steps_excluded"] == 4
     assert report["steps_measured"] == 400 - probe - 4
+
+
+def test_token_windows_give_a_whole_run_rate_without_the_warm_up():
+    meter = ThroughputMeter(4)
+    meter.exclude(1, tokens=(100, 400, 4))  # the call that traced
+    meter.close(3, tokens=(300, 1200, 12))
+    meter.close(2, tokens=(200, 400, 8))
+    summary = meter.summary()
+    assert summary["real_tokens_measured"] == 500  # the warm-up's 100 left out
+    assert summary["seconds_measured"] == sum(seconds for _, seconds, _ in meter.windows)
+    assert summary["padding_fraction"] == pytest.approx(1 - 600 / 2000)  # every step's

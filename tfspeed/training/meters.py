@@ -125,10 +125,12 @@ class ThroughputMeter:
 
         Returns:
           ``step_time_ms``, ``examples_per_sec``, ``input_wait_pct``, ``steps_measured``,
-          ``steps_excluded`` (warm-up) and ``too_few_steps`` (fewer than ``MIN_STEPS``
-          measured: the figures are then over all steps, warm-up included, and no median);
-          for token batches also ``real_tokens_per_sec``, ``sequences_per_sec`` (the same
-          way) and ``padding_fraction`` (over every step of the run, warm-up included).
+          ``steps_excluded`` (warm-up), ``seconds_measured`` (the measured windows' time)
+          and ``too_few_steps`` (fewer than ``MIN_STEPS`` measured: the figures are then over
+          all steps, warm-up included, and no median); for token batches also
+          ``real_tokens_per_sec``, ``sequences_per_sec`` (the same way), ``padding_fraction``
+          (over every step of the run, warm-up included) and ``real_tokens_measured`` (in
+          the measured windows: over ``seconds_measured``, a whole-run rate without warm-up).
         """
         measured = sum(steps for steps, _, _ in self.windows)
         excluded = sum(steps for steps, _, _ in self.excluded)
@@ -147,6 +149,7 @@ class ThroughputMeter:
             }
         return {**summary, **self._token_summary(measured >= self.MIN_STEPS),
                 "steps_measured": measured, "steps_excluded": excluded,
+                "seconds_measured": sum(seconds for _, seconds, _ in self.windows),
                 "too_few_steps": measured < self.MIN_STEPS}
 
     def _token_summary(self, enough: bool) -> dict:
@@ -163,7 +166,8 @@ class ThroughputMeter:
         else:  # over everything there is, as the other figures
             seconds = sum(w[1] for w in self.windows + self.excluded)
             rates = _token_figures(real, computed, sequences, seconds)
-        return {**rates, "padding_fraction": 1.0 - real / computed}
+        return {**rates, "padding_fraction": 1.0 - real / computed,
+                "real_tokens_measured": sum(t[0] for t in self.window_tokens)}
 
 
 def _token_figures(real: int, computed: int, sequences: int, seconds: float) -> dict:

@@ -346,7 +346,8 @@ class _Loop:
         call of its own. The meter measures only settled calls: the first call traces and
         compiles the step function (the engine passes the step count as a tensor, so it is
         the only trace), and profiled calls carry the profiler; both are synced at their end
-        and left out, as the tuner's probes are.
+        and left out, as the tuner's probes are. The first call runs a single step: a short
+        run whose steps all fit one call had no timed step left otherwise.
         """
         self.meter.restart()
         self._measured_from, self._waited, out = done, 0.0, None
@@ -356,6 +357,8 @@ class _Loop:
             profiled = bool(self.profile) and self.profile.covers(done)
             if self.profile:
                 n = self.profile.limit(done, n)
+            if not self._warm:
+                n = 1  # the call that traces runs one step, so that every later one is timed
             warm_up = profiled or not self._warm
             if warm_up:
                 self._close_measured(out, done)
