@@ -5,7 +5,7 @@ import pytest
 
 from tfspeed.config import RuntimeConfig
 from tfspeed.errors import UsageError
-from tfspeed.runtime import Hardware, resolve
+from tfspeed.runtime import Hardware, Runtime, for_batching, resolve
 from tfspeed.runtime.threads import AUTO as AUTO_THREADS
 from tfspeed.runtime.threads import choose as choose_threads
 from tfspeed.runtime.threads import forward_flops
@@ -42,6 +42,21 @@ def test_auto_resolution_per_machine(hw, strategy, precision, loss_scale, xla):
     assert plan.gpu_memory_growth == bool(hw.gpus)
     assert set(plan.reasons) == {"strategy", "precision", "xla"}
     assert all(reason.startswith("auto") for reason in plan.reasons.values())
+
+
+@pytest.mark.parametrize("xla, batching, on", [
+    ("auto", "pack", True),  # one static shape: one compile
+    ("auto", "bucket", False),  # a compile per bucket
+    ("auto", "pad", False),
+    ("off", "pack", False),  # the user's choice stands
+])
+def test_xla_auto_turns_on_for_packed_batches_on_a_cpu(xla, batching, on):
+    config = RuntimeConfig(strategy="auto", precision="auto", xla=xla)
+    before = Runtime(strategy=None, plan=resolve(config, CPU_PLAIN))
+    after = for_batching(before, config, batching)
+    assert not before.xla and after.xla == on
+    assert after.plan.reasons["xla"].startswith(
+        "auto: on for packed token batches" if on else before.plan.reasons["xla"])
 
 
 def test_explicit_choices_win_and_are_explained():

@@ -187,8 +187,9 @@ class RuntimeConfig:
         "auto", "Keras precision policy; auto: from the hardware (timed on the model where "
                 "bfloat16 is native on a CPU); measure: always time float32 against the mixed "
                 "policy on the model.", choices=PRECISIONS)
-    xla: str = option("auto", "XLA-compile the per-replica step; auto: on for GPU/TPU, off on "
-                              "CPU.", choices=XLA_MODES)
+    xla: str = option("auto", "XLA-compile the per-replica step; auto: on for GPU/TPU and for "
+                              "packed token batches (one static shape), else off on CPU.",
+                      choices=XLA_MODES)
     intra_op_threads: int | Auto = option(
         AUTO, "Threads one op may split its work over: N, 0 for TF's default (one per core), or "
               "auto (one for a tiny model's step on a CPU host, else the default).")

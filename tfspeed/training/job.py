@@ -116,6 +116,7 @@ def _build(config: Config, rt, lock: locks.Lock | None, converted_s: float = 0.0
     seconds converting data already spent)."""
     import keras
 
+    from tfspeed import runtime
     from tfspeed.data import job_input, pipeline
     from tfspeed.data import schema as schema_lib
     from tfspeed.data import text as text_lib
@@ -136,6 +137,7 @@ def _build(config: Config, rt, lock: locks.Lock | None, converted_s: float = 0.0
     if text_lib.is_text(schema):
         batching = _batching(config, rt, schema)
         _check_text_batch(batching, schema, data.train_split)
+        rt = runtime.for_batching(rt, config.runtime, batching.mode)
         epoch_batches = max(1, text_lib.batches_per_epoch(batching, schema, data.train_split))
     else:
         _check_batch(data.batch_size, num_train, rt.num_replicas, data.train_split)
