@@ -21,7 +21,8 @@ with Adam at the same constant learning rate, then evaluated on the validation s
 
   guide_padded_batch         TFRecordDataset -> parse -> shuffle -> padded_batch(B) (each
                              batch to its longest) -> stock ``compile``/``fit``;
-  fixed_max_length           the same, padded to --max_length (the static shape XLA users pick);
+  fixed_max_length           the same, padded to --max_length, compiled with
+                             ``jit_compile=True``: what XLA users do (one static shape);
   bucket_by_sequence_length  ``Dataset.bucket_by_sequence_length``, boundaries
                              16/32/64/128/256/512 as in the API's example, B per bucket;
   tfspeed_bucket             ``python -m tfspeed.train --batching=bucket --tokens_per_batch=T``;
@@ -247,8 +248,9 @@ def batch_tokens(ds) -> tuple[list[int], list[int], set]:
     return real, computed, shapes
 
 
-def peer_model(facts: dict, lm: bool):
-    """The same transformer as tfspeed's, compiled the stock way (float32, Adam)."""
+def peer_model(facts: dict, lm: bool, jit_compile: bool | str = "auto"):
+    """The same transformer as tfspeed's, compiled the stock way (float32, Adam; Keras'
+    ``jit_compile="auto"`` is off on a CPU-only machine)."""
     keras.utils.set_random_seed(_SEED.value)
     model = build_transformer(facts["vocab_size"], facts["vocab_size"] if lm else facts[
         "num_classes"], "lm" if lm else "classification", width=_WIDTH.value,
@@ -256,7 +258,8 @@ def peer_model(facts: dict, lm: bool):
         max_segments=1)  # unpacked rows: one sequence each, logits [B, 1, C] for labels [B, 1]
     metric = masked_accuracy if lm else keras.metrics.SparseCategoricalAccuracy(name="accuracy")
     model.compile(optimizer=keras.optimizers.Adam(_LR.value),
-                  loss=masked_loss if lm else class_loss, metrics=[metric])
+                  loss=masked_loss if lm else class_loss, metrics=[metric],
+                  jit_compile=jit_compile)
     return model
 
 
@@ -294,7 +297,7 @@ def run_peer(contender: str, data_dir: str, facts: dict) -> dict:
         return batched(ds, contender, lm)
 
     real, computed, shapes = batch_tokens(train_ds())
-    model = peer_model(facts, lm)
+    model = peer_model(facts, lm, jit_compile=contender == "fixed_max_length" or "auto")
     clock = StepClock()
     model.fit(train_ds(), epochs=1, verbose=0, callbacks=[clock])
     if len(clock.ends) != len(real):
@@ -305,15 +308,18 @@ def run_peer(contender: str, data_dir: str, facts: dict) -> dict:
             "train_seconds": steady, "first_step_seconds": clock.ends[0] - clock.begin,
             "padding_fraction": 1 - sum(real) / sum(computed), "steps": len(real),
             "real_tokens": sum(real), "computed_tokens": sum(computed),
-            "compiled_functions": clock.traces,  # traces of Keras' train step "distinct_input_shapes": len(shapes),
+            "compiled_functions": clock.traces,  # traces of Keras' train step
+            "distinct_input_shapes": len(shapes),
             "eval_metrics": exact_eval(model, data_dir, lm), "pid": os.getpid(),
+            "xla": contender == "fixed_max_length",
             "tf_version": tf.__version__}
 
 
 # ------------------------------------------------------------------ tfspeed (the driver)
 def tfspeed_command(mode: str, data_dir: str, model_dir: str, facts: dict) -> list[str]:
     """``python -m tfspeed.train`` as a user runs it: one pass, float32, the peers' model,
-    optimizer and learning rate; everything else left to tfspeed's defaults."""
+    optimizer and learning rate; everything else left to tfspeed's defaults (``--xla=auto``:
+    on for pack, off for bucket on a CPU)."""
     return [sys.executable, "-m", "tfspeed.train", f"--data_dir={data_dir}",
             f"--model_dir={model_dir}", "--model=transformer", f"--batching={mode}",
             f"--tokens_per_batch={token_budget(facts)}", f"--max_length={_MAX_LENGTH.value}",
@@ -336,19 +342,23 @@ def run_tfspeed(contender: str, data_dir: str, facts: dict) -> dict:
         return {"failed": " ".join(command[1:]), "error": err.strip()[-1500:], "pid": proc.pid}
     with open(report_path) as f:
         report = json.load(f)
-    keys = ("real_tokens_per_sec", "padding_fraction", "compiled_functions", "eval_metrics",
-            "optimizer_updates", "too_few_steps", "steps_measured", "sequences_per_sec",
-            "seconds", "steps_per_execution")
+    keys = ("padding_fraction", "compiled_functions", "eval_metrics", "optimizer_updates",
+            "too_few_steps", "steps_measured", "steps_excluded", "seconds_measured",
+            "real_tokens_measured", "sequences_per_sec", "seconds", "steps_per_execution")
     result = {k: _find(report, k) for k in keys}
+    # As the peers': the real tokens of the steps after the first call (one step, which
+    # traced) over their time. The driver's own figure is a median over its log windows.
+    result["driver_real_tokens_per_sec"] = _find(report, "real_tokens_per_sec")
+    if result["seconds_measured"] and result["real_tokens_measured"]:
+        result["real_tokens_per_sec"] = result["real_tokens_measured"] / result["seconds_measured"]
     # About one pass's worth of updates (T holds ~B sequences' tokens), else not comparable:
     # the driver counts a pass as train records // --batch_size updates.
     expected = facts["train_tokens"] / token_budget(facts)
     if not 0.75 <= (result["optimizer_updates"] or 0) / expected <= 1.33:
         result["warning"] = (f"{result['optimizer_updates']} updates, about {expected:.0f} "
                              "expected for one pass")
-    if result["too_few_steps"]:  # the driver's figure then spans every step, warm-up included
-        result["real_tokens_per_sec_with_first_step"] = result.pop("real_tokens_per_sec")
-    return {**result, "batching": _find(report, "batching"), "pid": proc.pid}
+    return {**result, "batching": _find(report, "batching"), "pid": proc.pid,
+            "xla": (report.get("runtime") or {}).get("xla")}
 
 
 def _find(report: dict, key: str):
@@ -435,8 +445,10 @@ def ratios_of(figures: dict) -> dict:
     return ratios
 
 
-def run_rounds(datasets: dict, contenders: list[str]) -> dict:
-    """``--rounds`` rounds; in round r the contenders' order is rotated by r."""
+def run_rounds(datasets: dict, contenders: list[str], save) -> dict:
+    """``--rounds`` rounds; in round r the contenders' order is rotated by r. ``save(results,
+    complete)`` is called after every contender's run, so that a run cut short keeps its
+    rounds."""
     results = {d: {c: [] for c in contenders} for d in datasets}
     for r in range(_ROUNDS.value):
         order = contenders[r % len(contenders):] + contenders[:r % len(contenders)]
@@ -447,6 +459,8 @@ def run_rounds(datasets: dict, contenders: list[str]) -> dict:
                 print(f"round {r} {name} {contender}: "
                       f"{result.get('real_tokens_per_sec') or result.get('error', '')[-300:]}",
                       file=sys.stderr, flush=True)
+                save(results, complete=False)
+    save(results, complete=True)
     return results
 
 
@@ -458,11 +472,29 @@ def main(argv):
         return
     contenders = _CONTENDERS.value or list(CONTENDERS)
     datasets = {name: prepare(name) for name in _DATASETS.value}
-    results = run_rounds(datasets, contenders)
+    name = f"sequences-{datetime.date.today().isoformat()}{'-' + _TAG.value if _TAG.value else ''}"
+    path = os.path.join(_RESULTS.value, name + ".json") if _RESULTS.value else None
+
+    def save(results: dict, complete: bool) -> None:
+        text = json.dumps(make_record(datasets, contenders, results, complete), indent=2)
+        if complete:
+            print(text)
+        if path:
+            os.makedirs(_RESULTS.value, exist_ok=True)
+            with open(path + ".tmp", "w") as f:
+                f.write(text + "\n")
+            os.replace(path + ".tmp", path)
+
+    run_rounds(datasets, contenders, save)
+
+
+def make_record(datasets: dict, contenders: list[str], results: dict, complete: bool) -> dict:
+    """The record of the rounds run so far (``complete`` once every round has run)."""
     figures = {name: {c: summarise(rounds, datasets[name][1]["task"] == "lm")
                       for c, rounds in per.items()} for name, per in results.items()}
     ratios = {name: ratios_of(per) for name, per in figures.items()}
     config = {
+        "complete": complete,
         "datasets": {name: {**facts, "tokens_per_batch": token_budget(facts)}
                      for name, (_, facts) in datasets.items()},
         "why_pydoc_lm": "pydoc_data.topics ships with every CPython: human-written English "
@@ -475,19 +507,14 @@ def main(argv):
         "optimizer": f"adam, constant learning rate {_LR.value}", "passes": 1,
         "guide_boundaries": list(GUIDE_BOUNDARIES),
         "timing": "real_tokens_per_sec: real (non-padding) tokens trained on after the first "
-                  "step / the time after it; *_with_first_step: the whole pass with the first "
-                  "step's trace; wall_seconds: the whole process (start-up, eval included)",
+                  "step / the time after it (tfspeed: its driver's first call is that one "
+                  "step; the rest is in its report's measured windows); *_with_first_step "
+                  "(peers): the whole pass with the first step's trace; wall_seconds: the "
+                  "whole process (start-up, eval included)",
         "tfspeed_command": " ".join(tfspeed_command("MODE", "DATA", "RUN", next(iter(
             datasets.values()))[1])[1:]),
     }
-    record = bench.record("sequences", config, figures, ratios)
-    text = json.dumps(record, indent=2)
-    print(text)
-    if _RESULTS.value:
-        name = f"sequences-{datetime.date.today().isoformat()}{'-' + _TAG.value if _TAG.value else ''}"
-        os.makedirs(_RESULTS.value, exist_ok=True)
-        with open(os.path.join(_RESULTS.value, name + ".json"), "w") as f:
-            f.write(text + "\n")
+    return bench.record("sequences", config, figures, ratios)
 
 
 if __name__ == "__main__":
