@@ -352,13 +352,14 @@ class _Loop:
         self.meter.restart()
         self._measured_from, self._waited, out = done, 0.0, None
         self._tokens = None
+        start = done
         while done < until and not stop.signum:
-            n = min(spe, until - done)
+            # Calls end on multiples of spe from the start (where logs and checkpoints fall),
+            # but the one that traces runs one step, so that every later one is timed.
+            n = min(spe - (done - start) % spe if self._warm else 1, until - done)
             profiled = bool(self.profile) and self.profile.covers(done)
             if self.profile:
                 n = self.profile.limit(done, n)
-            if not self._warm:
-                n = 1  # the call that traces runs one step, so that every later one is timed
             warm_up = profiled or not self._warm
             if warm_up:
                 self._close_measured(out, done)
