@@ -42,6 +42,16 @@ def start_pool(workers: int, warm: int) -> concurrent.futures.ProcessPoolExecuto
     return pool
 
 
+def stop_now(pool: concurrent.futures.ProcessPoolExecutor) -> None:
+    """Stops ``pool`` at once, after a failure: its workers are killed (a rerun deletes any
+    shard one left half-written), then its manager thread is waited for. Left running
+    (``shutdown(wait=False)``), that thread closes its wake-up pipe while Python's exit
+    handler may still write to it: an ``OSError`` traceback after the one-line error."""
+    for process in list((getattr(pool, "_processes", None) or {}).values()):
+        process.kill()
+    pool.shutdown(wait=True, cancel_futures=True)
+
+
 def start_method() -> str:
     """How worker processes start: ``fork`` where that is safe, else ``spawn``.
 
@@ -126,7 +136,7 @@ def write_shards(
         results.deliver(on_result, wait=True)
     except BaseException:
         todo.close()  # the feeder submits nothing more
-        pool.shutdown(wait=False, cancel_futures=True)
+        stop_now(pool)
         raise
     if own:
         pool.shutdown()

@@ -103,8 +103,10 @@ class LocalRunner:
             finished = True
         finally:
             self.pool = None
-            if pool:
-                pool.shutdown(wait=finished, cancel_futures=not finished)
+            if pool and finished:
+                pool.shutdown()
+            elif pool:
+                pool_lib.stop_now(pool)
 
     def write(self, plan, tasks, make_chunk, template, *, on_result, on_record=None) -> None:
         def done(result: writer.ShardResult) -> None:
