@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -9,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -49,6 +51,25 @@ class Server:
         started = [cls("worker", f"--dispatcher={dispatcher.address}", *extra, wait=False)
                    for extra in args]
         return [server.ready() for server in started]
+
+    @classmethod
+    @contextlib.contextmanager
+    def fixed_list(cls, work_dir) -> Iterator[Server]:
+        """A dispatcher with a fixed list of two workers (what ``file`` sharding needs), all
+        stopped at the end; yields the dispatcher."""
+        from tfspeed.util.cli import free_ports
+
+        ports = free_ports(2)
+        listed = ",".join(f"localhost:{port}" for port in ports)
+        dispatcher = cls("dispatcher", "--port=0", f"--work_dir={work_dir}",
+                         f"--worker_addresses={listed}")
+        servers = [dispatcher]
+        try:
+            servers += cls.workers(dispatcher, *ports)
+            yield dispatcher
+        finally:
+            for server in reversed(servers):
+                server.stop()
 
     def stop(self) -> None:
         self.process.send_signal(signal.SIGTERM)
@@ -121,19 +142,8 @@ def test_dynamic_sharding_delivers_every_record_once_per_epoch(cluster, numbered
 
 
 def test_file_sharding_splits_the_files_between_a_fixed_worker_list(numbered_dir, tmp_path):
-    from tfspeed.util.cli import free_ports
-
-    ports = free_ports(2)
-    listed = ",".join(f"localhost:{port}" for port in ports)
-    dispatcher = Server("dispatcher", "--port=0", f"--work_dir={tmp_path}",
-                        f"--worker_addresses={listed}")
-    servers = [dispatcher]
-    try:
-        servers += Server.workers(dispatcher, *ports)
+    with Server.fixed_list(tmp_path) as dispatcher:
         rows = _first_epoch(numbered_dir, dispatcher.address, "file")
-    finally:
-        for server in reversed(servers):
-            server.stop()
     expected = np.arange(RECORDS * FEATURES).reshape(RECORDS, FEATURES)
     assert sorted(map(tuple, rows)) == sorted(map(tuple, expected))
     counts = service.report()["train"]

@@ -80,6 +80,11 @@ def write_textfolder(root, with_bad: bool = True) -> None:
         (root / "long" / "image.bin").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR")
 
 
+def convert_text(source: str, out, task: str = "classification", **options):
+    """The converter on a text source into 2 shards, with ``TextOptions(**options)``."""
+    return convert(source, str(out), shards=2, task=task, text=TextOptions(**options))
+
+
 @pytest.fixture(scope="module")
 def folder_dataset(tmp_path_factory):
     root = tmp_path_factory.mktemp("texts")
@@ -212,23 +217,14 @@ def test_jsonl_classification_and_lm(tmp_path):
     ]
     path.write_text("\n".join(lines) + "\n\n")
     out = str(tmp_path / "cls")
-    result = convert(
-        f"jsonl:{path}",
-        out,
-        shards=2,
-        text=TextOptions(tokenizer="bpe:300", text_field="body", label_field="topic"),
-    )
+    result = convert_text(f"jsonl:{path}", out, tokenizer="bpe:300", text_field="body",
+                          label_field="topic")
     assert result.schema.class_names == ("even", "odd") and result.schema.task == "classification"
     assert sum(s.num_records for s in result.schema.splits.values()) == 100
 
     lm = str(tmp_path / "lm")
-    result = convert(
-        f"jsonl:{path}",
-        lm,
-        shards=2,
-        task="lm",
-        text=TextOptions(tokenizer="bpe:300", text_field="body", max_length=32, long="skip"),
-    )
+    result = convert_text(f"jsonl:{path}", lm, "lm", tokenizer="bpe:300", text_field="body",
+                          max_length=32, long="skip")
     schema = result.schema
     assert schema.task == "lm" and schema.label == "" and list(schema.features) == ["tokens"]
     assert schema.num_outputs == 300
@@ -248,9 +244,7 @@ def test_csv_text_column(tmp_path):
         for i, t in enumerate(TEXTS[:60]):
             w.writerow(["b" if i % 3 else "a", t, len(t.split())])
     out = str(tmp_path / "out")
-    result = convert(
-        f"csv:{path}", out, shards=2, text=TextOptions(tokenizer="bpe:300", text_column="text")
-    )
+    result = convert_text(f"csv:{path}", out, tokenizer="bpe:300", text_column="text")
     schema = result.schema
     assert schema.input_names == ("tokens", "features")
     assert schema.features["features"].shape == (1,) and schema.class_names == ("a", "b")
@@ -262,12 +256,8 @@ def test_csv_text_column(tmp_path):
         "text,label\n"
         + "".join(f'"{t}",{i % 2}\n' for i, t in enumerate(x.replace('"', "'") for x in TEXTS[:30]))
     )
-    result = convert(
-        f"csv:{only}",
-        str(tmp_path / "only"),
-        shards=2,
-        text=TextOptions(tokenizer="bpe:300", text_column="text"),
-    )
+    result = convert_text(f"csv:{only}", tmp_path / "only", tokenizer="bpe:300",
+                          text_column="text")
     assert list(result.schema.features) == ["tokens", "label"]
 
 
@@ -286,13 +276,7 @@ def test_user_tokenizer_json_and_sentencepiece(tmp_path):
     )
     tok.save(str(tmp_path / "wp.json"))
     out = str(tmp_path / "hf")
-    result = convert(
-        f"jsonl:{corpus}",
-        out,
-        shards=2,
-        task="lm",
-        text=TextOptions(tokenizer=str(tmp_path / "wp.json")),
-    )
+    result = convert_text(f"jsonl:{corpus}", out, "lm", tokenizer=str(tmp_path / "wp.json"))
     assert result.schema.text["tokenizer"]["special_ids"] == {
         "pad": 0,
         "unk": 1,
@@ -360,12 +344,6 @@ def test_bad_options_are_one_line_errors(tmp_path):
 
 def test_max_items_samples_the_corpus(tmp_path):
     out = str(tmp_path / "few")
-    result = convert(
-        "pystdlib:json",
-        out,
-        shards=2,
-        task="lm",
-        text=TextOptions(tokenizer="bpe:300", max_items=12),
-    )
+    result = convert_text("pystdlib:json", out, "lm", tokenizer="bpe:300", max_items=12)
     assert sum(s.num_records for s in result.schema.splits.values()) == 12
     assert result.schema.options["max_items"] == 12 and result.schema.class_names == ()

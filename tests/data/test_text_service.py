@@ -155,17 +155,9 @@ def test_sharding_off_gives_each_worker_the_whole_epoch(cluster, corpora):
 
 
 def test_file_sharding_splits_the_files_between_a_fixed_worker_list(corpora, tmp_path):
-    from tfspeed.util.cli import free_ports
-
     data_dir = corpora["lm"]
     reference = _reference(data_dir, "train", lm=True)
-    ports = free_ports(2)
-    listed = ",".join(f"localhost:{port}" for port in ports)
-    dispatcher = Server("dispatcher", "--port=0", f"--work_dir={tmp_path}",
-                        f"--worker_addresses={listed}")
-    servers = [dispatcher]
-    try:
-        servers += Server.workers(dispatcher, *ports)
+    with Server.fixed_list(tmp_path) as dispatcher:
         service.reset_report()
         ds = tfspeed.data.build(data_dir, "train", BATCH, training=True, batching="pack",
                                 cache="none", data_service=dispatcher.address,
@@ -176,9 +168,6 @@ def test_file_sharding_splits_the_files_between_a_fixed_worker_list(corpora, tmp
             if not missing and "train" in service.report():
                 break
             assert step < 2000, f"{len(missing)} sequences never arrive"
-    finally:
-        for server in reversed(servers):
-            server.stop()
     counts = service.report()["train"]
     assert counts["epochs"] >= 1 and counts["lost"] == 0 and counts["duplicated"] == 0
 

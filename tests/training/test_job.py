@@ -7,7 +7,6 @@ import logging
 import os
 import subprocess
 import sys
-import textwrap
 
 import keras
 import numpy as np
@@ -17,6 +16,7 @@ from absl.testing import flagsaver
 
 import tfspeed
 from tests.conftest import REPO
+from tests.training.test_own_model import importable
 from tfspeed import diagnose
 from tfspeed.config import TrainConfig
 from tfspeed.config import flags as tfspeed_flags
@@ -114,11 +114,8 @@ def build_sub(input_shape, num_outputs):
 
 @pytest.fixture(scope="module")
 def sub_module(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("sub")
-    (folder / "tfspeed_sub_models.py").write_text(textwrap.dedent(SUBCLASSED))
-    sys.path.insert(0, str(folder))
-    yield folder
-    sys.path.remove(str(folder))
+    with importable(tmp_path_factory.mktemp("sub"), "tfspeed_sub_models", SUBCLASSED) as folder:
+        yield folder
 
 
 def _eval_loss(model, data_dir) -> float:

@@ -1,6 +1,7 @@
 """Your own Keras model on the engine: --model=module:function, --loss/--metrics, the Python
 API, regression and named inputs. The user's model files are written by the tests."""
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -78,13 +79,21 @@ not_a_function = 3
 '''
 
 
+@contextlib.contextmanager
+def importable(folder, module: str, source: str):
+    """``source`` written to ``folder/module.py``, importable as ``module`` meanwhile."""
+    (folder / f"{module}.py").write_text(textwrap.dedent(source))
+    sys.path.insert(0, str(folder))
+    try:
+        yield folder
+    finally:
+        sys.path.remove(str(folder))
+
+
 @pytest.fixture(scope="module")
 def user_dir(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("user")
-    (folder / "usermodels.py").write_text(textwrap.dedent(USER_MODELS))
-    sys.path.insert(0, str(folder))
-    yield folder
-    sys.path.remove(str(folder))
+    with importable(tmp_path_factory.mktemp("user"), "usermodels", USER_MODELS) as folder:
+        yield folder
 
 
 # Each model kind runs under the default strategy and under mirrored with accumulation and

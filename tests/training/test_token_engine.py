@@ -7,9 +7,6 @@ plain SGD with a learning rate of 1 (so a weight difference is a gradient differ
 mean, which a mean of micro-batch means is not.
 """
 
-import re
-from collections import Counter
-from pydoc_data.topics import topics
 
 import keras
 import numpy as np
@@ -17,6 +14,7 @@ import pytest
 import tensorflow as tf
 
 from tests.training.test_transformer import make_batch as packed_batch
+from tests.training.test_transformer import prose_sentences
 from tfspeed.config import RuntimeConfig, TrainConfig
 from tfspeed.errors import UsageError
 from tfspeed.runtime import Runtime, detect_hardware, mirrored_strategy, resolve
@@ -26,7 +24,6 @@ from tfspeed.training.meters import ThroughputMeter
 
 VOCAB, CLASSES, LENGTH, ROWS = 300, 4, 40, 2  # ROWS: rows per micro-batch (1 per replica)
 TOPICS = ("if", "while", "for", "try")
-WORD = re.compile(r"[a-z]+|[0-9]+|[^\sa-z0-9]")
 SMALL = {"width": 16, "depth": 1, "heads": 2, "max_length": LENGTH, "max_segments": 3}
 # Micro-batches of ROWS rows, each row the sentences packed into it (indices into SENTENCES):
 # 5, 1 and 5 sentences, one row with none, so the real tokens differ between micro-batches
@@ -38,16 +35,8 @@ PACKING = [[[0, 1], [2]], [[3], []], [[4, 5, 6], [7, 8]]]
 def sentences():
     """(ids, topic) of prose sentences of TOPICS, cut to their first 4 to 12 words (so 3
     fit a row)."""
-    words = Counter(w for text in topics.values() for w in WORD.findall(text.lower()))
-    vocab = {w: i + 2 for i, (w, _) in enumerate(words.most_common(VOCAB - 2))}  # 1: unknown
-    found = []
-    for label, name in enumerate(TOPICS):
-        prose = " ".join(line.strip() for line in topics[name].splitlines()
-                         if line.strip() and not line.startswith(" ") and "::=" not in line)
-        for sentence in re.split(r"(?<=\.)\s+", prose):
-            ids = [vocab.get(w, 1) for w in WORD.findall(sentence.lower())]
-            if len(ids) >= 4:
-                found.append((ids[:4 + len(found) % 9], label))  # lengths vary: 4 to 12
+    found = [(ids[:4 + i % 9], label)  # lengths vary: 4 to 12
+             for i, (ids, label) in enumerate(prose_sentences(TOPICS, VOCAB))]
     assert len(found) >= 12 and len({label for _, label in found}) > 1
     return found[::2][:12]  # every other one: labels of more than one topic early on
 

@@ -24,19 +24,27 @@ WORD = re.compile(r"[a-z]+|[0-9]+|[^\sa-z0-9]")
 SMALL = {"width": 32, "depth": 2, "heads": 4, "max_length": 96}
 
 
-@pytest.fixture(scope="module")
-def sentences():
-    """(ids, topic index) of each prose sentence of TOPICS, 4 to 30 words long."""
+def prose_sentences(names, vocab_size: int) -> list[tuple[list[int], int]]:
+    """(word ids, index in ``names``) of each prose sentence of at least 4 words in the
+    language reference's topics ``names``: ids of the ``vocab_size - 2`` commonest words,
+    1 for any other (0: padding)."""
     words = Counter(w for text in topics.values() for w in WORD.findall(text.lower()))
-    vocab = {w: i + 2 for i, (w, _) in enumerate(words.most_common(VOCAB - 2))}
+    vocab = {w: i + 2 for i, (w, _) in enumerate(words.most_common(vocab_size - 2))}
     found = []
-    for label, name in enumerate(TOPICS):
+    for label, name in enumerate(names):
         prose = " ".join(line.strip() for line in topics[name].splitlines()
                          if line.strip() and not line.startswith(" ") and "::=" not in line)
         for sentence in re.split(r"(?<=\.)\s+", prose):
             ids = [vocab.get(w, 1) for w in WORD.findall(sentence.lower())]
-            if 4 <= len(ids) <= 30:
+            if len(ids) >= 4:
                 found.append((ids, label))
+    return found
+
+
+@pytest.fixture(scope="module")
+def sentences():
+    """(ids, topic index) of each prose sentence of TOPICS, 4 to 30 words long."""
+    found = [(ids, label) for ids, label in prose_sentences(TOPICS, VOCAB) if len(ids) <= 30]
     assert len(found) > 40 and len({n for _, n in found}) == len(TOPICS)
     return found
 
