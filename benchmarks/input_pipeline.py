@@ -311,16 +311,11 @@ def run_rounds(names, rounds: int, envs: dict | None = None) -> dict:
 def _in_process_of_its_own(name: str, env: dict | None = None) -> dict:
     """Runs one pipeline in a fresh process (no other pipeline's threads or buffers), in
     ``env`` if given."""
-    import subprocess
 
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), f"--pipeline={name}",
-                           f"--workdir={_WORKDIR.value}", f"--images={_IMAGES.value}",
-                           f"--classes={_CLASSES.value}", f"--epochs={_EPOCHS.value}"],
-                          capture_output=True, text=True, check=False, env=env)
-    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-    if proc.returncode or not lines:
-        raise SystemExit(f"{name} failed:\n{proc.stderr[-3000:]}")
-    return json.loads(lines[-1][len("RESULT "):])
+    return bench.run_contender([sys.executable, os.path.abspath(__file__), f"--pipeline={name}",
+                                f"--workdir={_WORKDIR.value}", f"--images={_IMAGES.value}",
+                                f"--classes={_CLASSES.value}", f"--epochs={_EPOCHS.value}"],
+                               name, env=env)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,6 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
@@ -305,13 +304,10 @@ def _median_run(results: list[dict]) -> dict:
 
 
 def _subprocess(name: str) -> dict:
-    proc = subprocess.run([sys.executable, __file__, f"--variant={name}",
-                           f"--workdir={_WORKDIR.value}"], capture_output=True, text=True,
-                          check=False, cwd=REPO)
-    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-    if proc.returncode or not lines:
-        raise SystemExit(f"{name} failed:\n{proc.stderr[-3000:]}")
-    return json.loads(lines[-1][len("RESULT "):])
+    from tfspeed import bench
+
+    return bench.run_contender([sys.executable, __file__, f"--variant={name}",
+                                f"--workdir={_WORKDIR.value}"], name, cwd=REPO)
 
 
 if __name__ == "__main__":

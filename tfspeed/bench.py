@@ -10,8 +10,10 @@ Figures are compared as ratios within one run: these machines are shared and noi
 
 from __future__ import annotations
 
+import json
 import os
 import platform
+import subprocess
 import time
 
 from tfspeed.util import system
@@ -38,6 +40,19 @@ def time_dataset(ds, batches: int, warmup: int, batch_size: int) -> dict:
         "batches": batches,
         "peak_rss_mb": peak_rss_mb(),
     }
+
+
+RESULT = "RESULT "  # a contender process prints its result as this prefix and one JSON line
+
+
+def run_contender(command: list[str], name: str, **popen) -> dict:
+    """Runs one contender's process (``command``) and returns the JSON it printed after
+    ``RESULT``; exits naming ``name`` with its stderr's tail if it failed."""
+    proc = subprocess.run(command, capture_output=True, text=True, check=False, **popen)
+    lines = [x for x in proc.stdout.splitlines() if x.startswith(RESULT)]
+    if proc.returncode or not lines:
+        raise SystemExit(f"{name} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(lines[-1][len(RESULT):])
 
 
 def machine() -> dict:
