@@ -178,10 +178,10 @@ def for_batching(runtime: Runtime, config: RuntimeConfig, batching: str) -> Runt
     ``pack`` on a CPU too.
 
     Packed batches have one static shape, so XLA compiles once (in the first step, which the
-    meter leaves out) and fuses the masked attention's element-wise work: on 2 cores the
-    transformer trained 1.3-1.5x the real tokens/s with it (``benchmarks/sequences.py``).
-    Bucketed batches are left alone on a CPU: one compile per bucket, each seconds long,
-    cost a one-pass run more than XLA saved (0.9x with 6 buckets, 0.2x with 16).
+    meter leaves out) and fuses the masked attention's element-wise work: the transformer
+    trained faster with it on a CPU (``benchmarks/sequences.py``). Bucketed batches are left
+    alone on a CPU: one compile per bucket, each seconds long, cost a one-pass run more than
+    XLA saved (docs/benchmarks.md, "sequences").
     """
     if config.xla != "auto" or runtime.plan.xla or batching != "pack":
         return runtime
