@@ -90,3 +90,11 @@ def test_token_windows_give_a_whole_run_rate_without_the_warm_up():
     assert summary["real_tokens_measured"] == 500  # the warm-up's 100 left out
     assert summary["seconds_measured"] == sum(seconds for _, seconds, _ in meter.windows)
     assert summary["padding_fraction"] == pytest.approx(1 - 600 / 2000)  # every step's
+
+
+def test_one_warm_up_step_is_said_in_the_singular():
+    meter = ThroughputMeter(32)
+    meter.exclude(1)
+    meter.tick(12, 13)
+    line = report_lib.summary_lines({"optimizer_updates": 13, **meter.summary()})[1]
+    assert line.endswith("(median over 12 steps; 1 warm-up step left out)")

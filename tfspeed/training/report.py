@@ -43,7 +43,8 @@ def _throughput_line(report: dict) -> str:
     """The median speed, or why there is none: warm-up (tracing, compilation, profiled and
     probe calls) is never in it, and a run too short to leave enough other steps says so."""
     excluded = report.get("steps_excluded", 0)
-    left_out = f"; {excluded} warm-up steps left out" if excluded else ""
+    left_out = (f"; {excluded} warm-up step{'s' if excluded > 1 else ''} left out"
+                if excluded else "")
     if report.get("too_few_steps"):
         return (f"throughput: too few steps measured ({report['steps_measured']}) for a median"
                 f"{left_out}; over all steps: {report['step_time_ms']:.2f} ms/step, warm-up "
