@@ -170,6 +170,9 @@ def test_dispatcher_restarted_from_its_work_dir_carries_on(digits_dir, tmp_path)
         for _ in range(150):  # about three epochs more
             next(batches)
     finally:
+        # The iterator goes first, while its servers live: destroyed after they stopped, its
+        # cancellation waited on a fetch from the dead dispatcher, forever (seen once).
+        batches = None
         worker.stop()
         dispatcher.stop()
     counts = service.report()["train"]
