@@ -244,7 +244,7 @@ def main(argv):
     if _PIPELINE.value:  # one pipeline, in a process of its own
         ds, warm_epochs = pipeline(_PIPELINE.value, root, items)
         passes = PASSES.get(_PIPELINE.value, 1)
-        print("RESULT " + json.dumps(time_epochs(ds, batches, _EPOCHS.value, warm_epochs,
+        print(bench.RESULT + json.dumps(time_epochs(ds, batches, _EPOCHS.value, warm_epochs,
                                                  passes)))
         return
     converted = conversions(root, photos, _ROUNDS.value)

@@ -93,7 +93,6 @@ TFSPEED = {"tfspeed_bucket": "bucket", "tfspeed_pack": "pack"}
 CONTENDERS = (*PEERS, *TFSPEED)
 GUIDE_BOUNDARIES = (16, 32, 64, 128, 256, 512)
 PAD = 0  # the converter's <pad> id (schema.json text.tokenizer.special_ids)
-RESULT = "RESULT "
 
 
 # ------------------------------------------------------------------ data
@@ -378,12 +377,9 @@ def in_process_of_its_own(contender: str, data_dir: str, facts: dict) -> dict:
     if contender in TFSPEED:
         result = run_tfspeed(contender, data_dir, facts)
     else:
-        proc = subprocess.run([sys.executable, os.path.abspath(__file__),
-                               f"--contender={contender}", f"--data_dir={data_dir}",
-                               *_shared_flags()], capture_output=True, text=True, check=False)
-        lines = [x for x in proc.stdout.splitlines() if x.startswith(RESULT)]
-        result = (json.loads(lines[-1][len(RESULT):]) if lines and not proc.returncode else
-                  {"failed": contender, "error": proc.stderr.strip()[-1500:]})
+        result = bench.run_contender([sys.executable, os.path.abspath(__file__),
+                                      f"--contender={contender}", f"--data_dir={data_dir}",
+                                      *_shared_flags()], contender, check=False)
     return {**result, "wall_seconds": time.perf_counter() - start}
 
 
@@ -468,7 +464,7 @@ def main(argv):
     del argv
     if _CONTENDER.value:  # one peer, in a process of its own
         _, facts = prepare(os.path.basename(_DATA_DIR.value).split("-items")[0])
-        print(RESULT + json.dumps(run_peer(_CONTENDER.value, _DATA_DIR.value, facts)))
+        print(bench.RESULT + json.dumps(run_peer(_CONTENDER.value, _DATA_DIR.value, facts)))
         return
     contenders = _CONTENDERS.value or list(CONTENDERS)
     datasets = {name: prepare(name) for name in _DATASETS.value}

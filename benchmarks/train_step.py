@@ -248,14 +248,14 @@ def _deep_cnn(config, input_shape, num_classes):
 
 def main(argv):
     del argv
+    from tfspeed import bench
+
     if _VARIANT.value:
         from tfspeed.training import models
 
         models.MODELS.setdefault("cnn_deep", _deep_cnn)
-        print("RESULT " + json.dumps(run_variant(_VARIANT.value)))
+        print(bench.RESULT + json.dumps(run_variant(_VARIANT.value)))
         return
-    from tfspeed import bench
-
     os.makedirs(_WORKDIR.value, exist_ok=True)
     prepare(_WORKDIR.value)
     names = ["mlp/job", "mlp/fit", "mlp/ceiling", "mlp/ceiling_1thread", "cnn/job", "cnn32/fit", "cnn32/tfspeed",

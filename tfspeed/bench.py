@@ -45,14 +45,17 @@ def time_dataset(ds, batches: int, warmup: int, batch_size: int) -> dict:
 RESULT = "RESULT "  # a contender process prints its result as this prefix and one JSON line
 
 
-def run_contender(command: list[str], name: str, **popen) -> dict:
+def run_contender(command: list[str], name: str, check: bool = True, **popen) -> dict:
     """Runs one contender's process (``command``) and returns the JSON it printed after
-    ``RESULT``; exits naming ``name`` with its stderr's tail if it failed."""
+    ``RESULT``. If it failed: exits naming ``name`` with its stderr's tail, or (``check``
+    false, to keep the other rounds) returns ``{"failed": name, "error": that tail}``."""
     proc = subprocess.run(command, capture_output=True, text=True, check=False, **popen)
     lines = [x for x in proc.stdout.splitlines() if x.startswith(RESULT)]
-    if proc.returncode or not lines:
+    if lines and not proc.returncode:
+        return json.loads(lines[-1][len(RESULT):])
+    if check:
         raise SystemExit(f"{name} failed:\n{proc.stderr[-3000:]}")
-    return json.loads(lines[-1][len(RESULT):])
+    return {"failed": name, "error": proc.stderr.strip()[-1500:]}
 
 
 def machine() -> dict:

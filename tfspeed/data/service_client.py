@@ -154,7 +154,7 @@ def count_epoch(groups, split, expected, config):
 
     def account(delivered):
         record_epoch(split, int(delivered), expected, config.data_service_sharding,
-                             config.data_service)
+                     config.data_service)
         return True
 
     def count(n, group):
