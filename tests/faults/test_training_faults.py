@@ -96,7 +96,7 @@ def _report(model_dir: Path) -> dict:
 def test_sigkill_then_the_same_command_ends_with_the_same_weights(digits_dir, tmp_path,
                                                                     placement):
     """Model, optimizer, step and input position come back: no batch repeated or skipped."""
-    steps = 150
+    steps = 60
     reference_dir, killed_dir = tmp_path / "reference", tmp_path / "killed"
     killed = _start(_command(digits_dir, killed_dir, steps, placement=placement))
     kill_after = random.Random(7).randint(10, 40)
