@@ -311,7 +311,6 @@ def run_rounds(names, rounds: int, envs: dict | None = None) -> dict:
 def _in_process_of_its_own(name: str, env: dict | None = None) -> dict:
     """Runs one pipeline in a fresh process (no other pipeline's threads or buffers), in
     ``env`` if given."""
-
     return bench.run_contender([sys.executable, os.path.abspath(__file__), f"--pipeline={name}",
                                 f"--workdir={_WORKDIR.value}", f"--images={_IMAGES.value}",
                                 f"--classes={_CLASSES.value}", f"--epochs={_EPOCHS.value}"],

@@ -1,6 +1,9 @@
 """Shared, session-scoped fixtures: datasets written once by the real converter."""
 
+import contextlib
 import os
+import sys
+import textwrap
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
@@ -22,6 +25,17 @@ tf.config.set_logical_device_configuration(_cpus[0], [tf.config.LogicalDeviceCon
 # Start the runtime now: otherwise the first driver run in this process would fix its threads
 # (--intra_op_threads=auto) for every test after it.
 tf.config.list_logical_devices("CPU")
+
+
+@contextlib.contextmanager
+def importable(folder, module: str, source: str):
+    """``source`` written to ``folder/module.py``, importable as ``module`` meanwhile."""
+    (folder / f"{module}.py").write_text(textwrap.dedent(source))
+    sys.path.insert(0, str(folder))
+    try:
+        yield folder
+    finally:
+        sys.path.remove(str(folder))
 
 
 def write_photos(root: Path, classes: int = 3, per_class: int = 12, seed: int = 0) -> Path:
@@ -134,19 +148,15 @@ def doubled_mae(labels, outputs):
 def user_objectives(tmp_path_factory) -> str:
     """A module of the user's own loss and metric, importable here and in child processes
     (PYTHONPATH), as from a user's working directory."""
-    import sys
-
     folder = tmp_path_factory.mktemp("user_objectives")
-    (folder / "tfspeed_user_objectives.py").write_text(USER_OBJECTIVES)
-    sys.path.insert(0, str(folder))
-    old = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(folder), old) if p)
-    yield "tfspeed_user_objectives"
-    sys.path.remove(str(folder))
-    if old is None:
-        os.environ.pop("PYTHONPATH", None)
-    else:
-        os.environ["PYTHONPATH"] = old
+    with importable(folder, "tfspeed_user_objectives", USER_OBJECTIVES):
+        old = os.environ.get("PYTHONPATH")
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(folder), old) if p)
+        yield "tfspeed_user_objectives"
+        if old is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = old
 
 
 def _convert_text(out, *extra) -> str:

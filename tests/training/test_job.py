@@ -15,8 +15,7 @@ import tensorflow as tf
 from absl.testing import flagsaver
 
 import tfspeed
-from tests.conftest import REPO
-from tests.training.test_own_model import importable
+from tests.conftest import REPO, importable
 from tfspeed import diagnose
 from tfspeed.config import TrainConfig
 from tfspeed.config import flags as tfspeed_flags

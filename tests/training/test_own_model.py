@@ -1,11 +1,9 @@
 """Your own Keras model on the engine: --model=module:function, --loss/--metrics, the Python
 API, regression and named inputs. The user's model files are written by the tests."""
 
-import contextlib
 import os
 import subprocess
 import sys
-import textwrap
 
 import keras
 import numpy as np
@@ -14,7 +12,7 @@ import tensorflow as tf
 from absl.testing import flagsaver
 
 import tfspeed
-from tests.conftest import REPO
+from tests.conftest import REPO, importable
 from tfspeed.config import flags as tfspeed_flags
 from tfspeed.errors import UsageError
 from tfspeed.training.run import run
@@ -77,17 +75,6 @@ def halved_mae(labels, outputs):
 
 not_a_function = 3
 '''
-
-
-@contextlib.contextmanager
-def importable(folder, module: str, source: str):
-    """``source`` written to ``folder/module.py``, importable as ``module`` meanwhile."""
-    (folder / f"{module}.py").write_text(textwrap.dedent(source))
-    sys.path.insert(0, str(folder))
-    try:
-        yield folder
-    finally:
-        sys.path.remove(str(folder))
 
 
 @pytest.fixture(scope="module")
