@@ -38,7 +38,13 @@ AUGMENTATIONS = ("flip", "crop", "random_resized_crop")
 MODELS = ("mlp", "cnn", "resnet50", "mobilenetv2", "transformer")
 # How variable-length token records become batches (tfspeed.data.sequences).
 BATCHINGS = ("auto", "pad", "bucket", "pack")
+# Text longer than a row can hold (tfspeed.data.long_texts applies it). The converter and the
+# driver share these defaults: a text is split into pieces, each its own sequence, and no
+# sequence is longer than MAX_LENGTH_CAP tokens unless --max_length asks for more (one
+# 2 MB text became a single record of 349,527 tokens, and its batches exhausted memory).
 LONG_POLICIES = ("truncate", "split", "skip")
+LONG_DEFAULT = "split"
+MAX_LENGTH_CAP = 1024
 STRATEGIES = ("auto", "default", "one_device", "mirrored", "multi_worker")
 PRECISIONS = ("auto", "measure", "float32", "mixed_float16", "mixed_bfloat16")
 XLA_MODES = ("auto", "on", "off")
@@ -116,8 +122,9 @@ class DataConfig:
         0, "Longest sequence a batch holds (pack's row length, the last bucket's boundary); "
            "0: the conversion's --max_length, else the train split's longest, rounded up to a "
            "multiple of 8.")
-    long: str = option("split", "Token records longer than --max_length: truncate, split into "
-                                "pieces, or skip (counted).", choices=LONG_POLICIES)
+    long: str = option(LONG_DEFAULT, "Token records longer than --max_length: truncate, split "
+                                     "into pieces, or skip (counted in report.json).",
+                       choices=LONG_POLICIES)
     data_service_sharding: str = option(
         "dynamic", "How service workers split an epoch: dynamic (each record at most once), "
                    "file (a fixed share; the dispatcher needs --worker_addresses) or off (each "
