@@ -57,7 +57,11 @@ def chunks(text, size):
     return [tuple(text[i:i + size]) for i in range(0, len(text), size)]
 
 
-BOUNDARIES, EXPECTED = sequences.choose_boundaries([len(t) for t in TEXTS], 256, 24)
+def counts_of(texts):
+    return sequences.length_counts_of([len(t) for t in texts])
+
+
+BOUNDARIES, EXPECTED = sequences.choose_boundaries(counts_of(TEXTS), 256, 24)
 
 
 def build(mode, ds, **kwargs):
@@ -114,7 +118,7 @@ def test_every_sequence_once_and_padding(mode):
     stats = sequences.TokenStats()
     longest = max(map(len, TEXTS))
     if mode == "bucket":  # the last bucket takes the longest text: nothing truncated
-        boundaries, _ = sequences.choose_boundaries([len(t) for t in TEXTS], longest, 24)
+        boundaries, _ = sequences.choose_boundaries(counts_of(TEXTS), longest, 24)
         ds = sequences.bucket(examples, boundaries, 4096, drop_remainder=False)
     else:
         ds = build(mode, examples, drop_remainder=False)
@@ -201,22 +205,19 @@ def _padded_size(lengths, boundaries):
 
 def test_choose_boundaries_is_optimal_and_predicts_padding():
     lengths = [min(len(t), 64) for t in TEXTS]
-    boundaries, fraction = sequences.choose_boundaries(lengths, 64, 3)
+    boundaries, fraction = sequences.choose_boundaries(sequences.length_counts_of(lengths), 64, 3)
     assert boundaries[-1] == 64 and all(b % 8 == 0 for b in boundaries)
     best = min(_padded_size(lengths, [*c, 64])
                for c in itertools.combinations(range(8, 64, 8), 2))  # brute force
     assert _padded_size(lengths, boundaries) == best
     assert fraction == pytest.approx(1 - sum(lengths) / best)
-    # The histogram format (np.histogram's): bins 1 wide give the same answer.
-    counts, edges = np.histogram(lengths, bins=np.arange(0, 66))
-    assert sequences.choose_boundaries({"edges": edges.tolist(), "counts": counts.tolist()},
-                                       64, 3) == (boundaries, pytest.approx(fraction))
-    fractions = [sequences.choose_boundaries([len(t) for t in TEXTS], 256, k)[1]
-                 for k in (1, 4, 8, 16)]
+    # Longer sequences count at the limit, as the long policy leaves them.
+    uncut = sequences.length_counts_of([len(t) for t in TEXTS])
+    assert sequences.choose_boundaries(uncut, 64, 3) == (boundaries, pytest.approx(fraction))
+    fractions = [sequences.choose_boundaries(uncut, 256, k)[1] for k in (1, 4, 8, 16)]
     assert fractions == sorted(fractions, reverse=True) and fractions[0] > 0.8
-    assert sequences.choose_boundaries([3, 5, 12], 256, 4)[0] == [8, 16]  # covers the longest
-    with pytest.raises(ValueError, match="edges"):
-        sequences.choose_boundaries({"edges": [0, 8], "counts": [1, 2]}, 64)
+    assert sequences.choose_boundaries(sequences.length_counts_of([3, 5, 12]), 256, 4)[0] == [
+        8, 16]  # covers the longest
 
 
 def test_bucket_batch_sizes_and_measured_padding_matches_expected():

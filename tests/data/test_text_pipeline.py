@@ -143,26 +143,33 @@ def test_training_is_seeded(text_dir):
     assert any(not np.array_equal(x, y) for x, y in zip(a, c, strict=True))
 
 
-def test_auto_packs_for_segment_models_and_cites_the_padding(text_dir):
+def test_auto_takes_the_least_predicted_compute_and_cites_it(text_dir):
     schema = schema_lib.read(text_dir)
-    mode, reason = text.choose_batching(schema, "train", takes_segments=True)
-    assert mode == "pack" and "expected padding" in reason and "%" in reason
-    mode, reason = text.choose_batching(schema, "train", takes_segments=False)
-    padding = text.resolve(DataConfig(data_dir=text_dir, batch_size=32), schema).expected_padding
+    config = DataConfig(data_dir=text_dir, batch_size=32)
+    plain = text.resolve(config, schema)  # a model of unknown attention: padding alone counts
+    padding = plain.expected_padding
     # The corpus mixes 3-line helpers with whole classes: bucketing pays.
-    assert mode == ("bucket" if padding["bucket"] <= padding["pad"] / 2 else "pad")
-    assert f"{padding['pad']:.0%}" in reason and f"{padding['bucket']:.0%}" in reason
-    assert padding["bucket"] <= text.BUCKET_PADDING_TARGET
-    resolved = text.resolve(DataConfig(data_dir=text_dir, batch_size=32), schema, True)
-    assert resolved.mode == "pack" and resolved.max_length == MAX_LENGTH
-    assert resolved.tokens_per_batch == 32 * MAX_LENGTH and resolved.max_segments == MAX_LENGTH // 8
+    assert plain.mode == "bucket" and padding["bucket"] <= text.BUCKET_PADDING_TARGET
+    assert plain.costs["bucket"] == pytest.approx(1 / (1 - padding["bucket"]), rel=0.02)
+    assert all(f"{m} {plain.costs[m]:.2f}" in plain.reason for m in ("pad", "bucket", "pack"))
+    # A model that keeps packed sequences apart: the cheaper of bucket and pack, counting
+    # the attention over each row's width (K small: attention dominates, short rows win).
+    dear = text.resolve(config, schema, True, attention_length=32.0)
+    cheap = text.resolve(config, schema, True, attention_length=1e9)
+    for resolved in (dear, cheap):
+        assert resolved.mode == min(("bucket", "pack"), key=resolved.costs.get)
+    assert dear.costs["pack"] == pytest.approx(
+        (1 + MAX_LENGTH / 32) / (1 - padding["pack"]), rel=1e-3)
+    assert cheap.costs["pack"] < cheap.costs["bucket"] and cheap.mode == "pack"
+    assert cheap.max_length == MAX_LENGTH and cheap.max_segments == MAX_LENGTH // 8
+    assert padding["pack"] < 0.05
 
 
-def test_max_length_defaults_to_the_longest_when_the_conversion_set_none(text_dir):
-    schema = schema_lib.read(text_dir)
-    counts = text.length_counts(schema, "train")
-    plain = schema_lib.Schema(**{**schema.__dict__, "text": {**schema.text, "max_length": 0}})
-    assert text.resolve_max_length(plain, counts) == -(-int(np.flatnonzero(counts)[-1]) // 8) * 8
+def test_max_length_comes_from_the_longest_sequence_of_every_split():
+    assert text.resolve_max_length(41) == 48
+    assert text.resolve_max_length(41, requested=32) == 32
+    assert text.resolve_max_length(300, requested=512) == 304  # no row wider than the data
+    assert text.resolve_max_length(10**6) == text.MAX_LENGTH_CAP  # the converter's cap too
 
 
 def test_memory_cache_holds_the_examples_and_changes_no_batch(text_dir):

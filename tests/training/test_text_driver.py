@@ -43,17 +43,24 @@ def test_each_batching_trains_and_reports(corpora, tmp_path, task, batching):
                if isinstance(v, float))
     chosen = report["input"]["batching"]
     assert chosen["mode"] == batching and chosen["max_length"] == 64
-    assert chosen["tokens_per_batch"] == 8 * 64 and "expected_padding" in chosen
+    # By default --batch_size sequences of the mean length, at least one row of T.
+    assert chosen["tokens_per_batch"] == max(round(8 * chosen["mean_length"]), 64)
+    assert "expected_padding" in chosen
     assert report["input"]["placement"]["where"] == "host"
     dataset = report["dataset"]
     assert dataset["task"] == task and dataset["vocab_size"] == 300
     assert dataset["tokens"]["tokens"] > 0 and "lengths" not in dataset["tokens"]
 
 
-def test_auto_packs_for_the_transformer(corpora, tmp_path):
+def test_auto_takes_the_mode_of_least_predicted_compute(corpora, tmp_path):
     report = run(_config(corpora["classification"], tmp_path, steps=2))
     batching = report["input"]["batching"]
-    assert batching["mode"] == "pack" and "segment ids" in batching["reason"]
+    costs = batching["costs"]
+    assert batching["mode"] == min(("bucket", "pack"), key=costs.get)
+    assert batching["reason"].startswith(f"auto: {batching['mode']}")
+    assert f"pack {costs['pack']:.2f}" in batching["reason"]
+    # The transformer's K (width 16, depth 1, 2 heads): its attention is counted.
+    assert batching["attention_length"] == pytest.approx(12 * 16 * 16 / (2 * 16 + 19 * 2))
 
 
 def _checkpoint_files(model_dir):

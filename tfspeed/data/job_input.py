@@ -14,7 +14,7 @@ import tensorflow as tf
 from absl import logging
 
 from tfspeed.config import Config
-from tfspeed.data import ingraph, pipeline, plan, text
+from tfspeed.data import ingraph, pipeline, plan
 
 
 @dataclasses.dataclass
@@ -37,25 +37,28 @@ class JobInput:
     batching: object = None  # token records: the resolved ``text.Batching``
 
 
-def build(config: Config, schema, strategy, num_train: int,
-          takes_segments: bool = False) -> JobInput:
-    """Resolves and builds the input of ``config`` under ``strategy`` (``takes_segments``:
-    the model keeps packed sequences apart, so ``--batching=auto`` may pack)."""
+def build(config: Config, schema, strategy, num_train: int, steps_per_epoch: int,
+          batching=None) -> JobInput:
+    """Resolves and builds the input of ``config`` under ``strategy``.
+
+    Args:
+      num_train: records in the train split.
+      steps_per_epoch: batches in one pass over it (token data: a batch holds a token budget).
+      batching: token data: the job's resolved ``text.Batching`` (every split batched so).
+    """
     data, train = config.data, config.train
     images = schema.input_feature.dtype == "uint8"
     # Images travel as uint8 and are scaled to [0, 1] inside the compiled step: the pipeline
     # (and on an accelerator the host-to-device copy) moves 4× fewer bytes than float32.
     base = dataclasses.replace(data, image_dtype="uint8") if images else data
-    batching = None
-    if text.is_text(schema):
-        batching = text.resolve(data, schema, takes_segments, strategy.num_replicas_in_sync)
+    if batching is not None:
         base = dataclasses.replace(base, batching=batching.mode, max_length=batching.max_length,
                                    tokens_per_batch=batching.tokens_per_batch)
         logging.info("--batching=%s: %s (%s)", data.batching, batching.mode, batching.reason)
     micro_steps = (train.train_steps * train.grad_accum_steps if train.train_steps else
-                   train.epochs * (num_train // data.batch_size))
+                   train.epochs * steps_per_epoch)
     placement = ingraph.choose(data.input_placement, base, schema, data.train_split)
-    passes = {data.train_split: -(-micro_steps * data.batch_size // num_train)}
+    passes = {data.train_split: -(-micro_steps // max(steps_per_epoch, 1))}
     if data.eval_split:
         passes[data.eval_split] = 1  # evaluated once, at the end
     configs, report = {}, {"image_dtype": base.image_dtype, "placement": placement.to_json(),
@@ -75,11 +78,15 @@ def build(config: Config, schema, strategy, num_train: int,
             logging.info("--cache=auto for %r: %s (%s)", split, cache.mode, cache.reason)
     logging.info("--input_placement=%s: %s (%s)", data.input_placement, placement.where,
                  placement.reason)
+    eval_sequences = _eval_sequences(train.eval_steps, batching)
+    if eval_sequences:
+        report["eval_sequences"] = eval_sequences
 
     def dataset(split, training):
         return strategy.distribute_datasets_from_function(
-            lambda ctx: pipeline.build_from_config(configs[split], split, training=training,
-                                                   input_context=ctx, schema=schema))
+            lambda ctx: pipeline.build_from_config(
+                configs[split], split, training=training, input_context=ctx, schema=schema,
+                batching=batching, take_sequences=None if training else eval_sequences))
 
     if placement.where == "device":
         train_input = ingraph.load(configs[data.train_split], schema, data.train_split,
@@ -90,6 +97,18 @@ def build(config: Config, schema, strategy, num_train: int,
                     eval=dataset(data.eval_split, False) if data.eval_split else None,
                     configs=configs, preprocess=_scale_images if images else None,
                     report=report, batching=batching)
+
+
+def _eval_sequences(eval_steps: int, batching) -> int | None:
+    """``--eval_steps`` on token data: the first sequences of the split that that many
+    batches hold on average, batched as usual. The first N batches would not do: bucketing
+    emits the buckets of short sequences first, so a capped evaluation would lean to them."""
+    if not eval_steps or batching is None:
+        return None
+    if batching.mode == "pad":
+        return eval_steps * batching.batch_size
+    real = batching.tokens_per_batch * (1 - batching.expected_padding.get(batching.mode, 0.0))
+    return max(1, int(eval_steps * real / max(batching.mean_length, 1.0)))
 
 
 def device() -> str:

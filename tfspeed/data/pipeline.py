@@ -13,12 +13,11 @@ import dataclasses
 import os
 import threading
 
-import numpy as np
 import tensorflow as tf
 from absl import logging
 
 from tfspeed.config import DataConfig
-from tfspeed.data import cache, ops, plan, service_client, text
+from tfspeed.data import cache, ops, plan, sequences, service_client, text
 from tfspeed.data import schema as schema_lib
 from tfspeed.data.cache import cache_path  # noqa: F401 -- part of this module's API
 from tfspeed.data.plan import CachePlan, plan_cache  # noqa: F401 -- part of this module's API
@@ -77,11 +76,15 @@ def build_from_config(
     input_context: tf.distribute.InputContext | None = None,
     schema: schema_lib.Schema | None = None,
     until: str | None = None,
+    batching: text.Batching | None = None,
+    take_sequences: int | None = None,
 ) -> tf.data.Dataset:
     """Like ``build`` but from a ``DataConfig`` (and optionally an already-read schema).
 
     ``until`` (one of ``STAGES``) returns the pipeline cut after that stage, so
-    ``tfspeed.diagnose`` can time each stage's share.
+    ``tfspeed.diagnose`` can time each stage's share. ``batching``: token records batched as
+    the job resolved them (``text.resolve``, once per job); None resolves it from ``config``.
+    ``take_sequences``: token records, evaluation: only the split's first N sequences.
     """
     if until is not None and until not in STAGES:
         raise ValueError(f"until={until!r} is not one of {STAGES}")
@@ -101,8 +104,9 @@ def build_from_config(
     steps = plan.plan_steps(config, schema, split, training)
     if text.is_text(schema):
         replicas = input_context.num_replicas_in_sync if input_context else 1
+        batching = batching or text.resolve(config, schema, replicas=replicas)
         return _tokens(config, schema, split, training, steps, shuffle, deterministic,
-                       num_pipelines, pipeline_id, replicas, until)
+                       num_pipelines, pipeline_id, replicas, batching, until, take_sequences)
 
     if config.data_service and training and until is None:
         return _through_service(config, schema, split, steps, batch_size, shuffle,
@@ -136,12 +140,10 @@ def build_from_config(
 
 
 def _tokens(config, schema, split, training, steps, shuffle, deterministic, num_pipelines,
-            pipeline_id, replicas, until=None):
+            pipeline_id, replicas, batching, until=None, take_sequences=None):
     """The text pipeline: read -> examples -> cache -> shuffle -> repeat -> batch ->
-    prefetch, batched as ``text.resolve`` says (the same figures the job and report use)."""
-    batching = text.resolve(config, schema, replicas=replicas)
-    counts = text.length_counts(schema, split)
-    longest = int(np.flatnonzero(counts)[-1]) if counts.any() else 0
+    prefetch, batched as ``batching`` says (the figures the job and report use)."""
+    longest = text.longest(text.length_counts(schema, split))
     if config.data_service and training and until is None:
         ds = _tokens_through_service(config, schema, split, steps, shuffle, deterministic,
                                      num_pipelines, pipeline_id)
@@ -163,6 +165,9 @@ def _tokens(config, schema, split, training, steps, shuffle, deterministic, num_
                      steps.cache.mode)
     if until == "cache":
         return ds
+    if take_sequences and not training:  # a capped evaluation: the split's first sequences
+        records = min(records, max(1, take_sequences // num_pipelines))
+        ds = ds.take(records)
     if shuffle:  # sequences, before batching: buckets and packed rows mix the whole buffer
         ds = ds.shuffle(steps.shuffle_buffer, seed=config.seed, reshuffle_each_iteration=True)
     if training:
@@ -370,9 +375,9 @@ def _tokens_through_service(config, schema, split, steps, shuffle, deterministic
     ds = _map(ds, text.make_to_example(schema.task), deterministic)
     if shuffle:  # sequences, as locally: buckets and packed rows then mix the whole buffer
         ds = ds.shuffle(steps.shuffle_buffer, seed=config.seed, reshuffle_each_iteration=True)
-    ds = text.to_service_groups(ds, SERVICE_TRANSFER_BATCH)
+    ds = sequences.group(ds, SERVICE_TRANSFER_BATCH)
     groups = service_client.serve(ds, config, split, expected, deterministic)
-    return text.from_service_groups(groups)
+    return sequences.ungroup(groups)
 
 
 def _service_records(config, schema, split, num_pipelines, pipeline_id) -> int:

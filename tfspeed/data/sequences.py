@@ -23,14 +23,16 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import tensorflow as tf
 
+from tfspeed.data import long_texts
+
 AUTOTUNE = tf.data.AUTOTUNE
 TASKS = ("classification", "lm")
-LONG_POLICIES = ("truncate", "split", "skip")
+LONG_POLICIES = long_texts.POLICIES
 Element = dict[str, tf.Tensor]
 Batch = tuple[Element, Element]
 _PAD = -1  # tokens are padded with -1 inside a batch, so id 0 needs no special meaning
@@ -184,36 +186,23 @@ def bucket(ds: tf.data.Dataset, boundaries: Sequence[int], tokens_per_batch: int
     return ds.map(finish, num_parallel_calls=AUTOTUNE, deterministic=deterministic)
 
 
-def _length_counts(histogram, max_length: int) -> np.ndarray:
-    """Counts per length 0..max_length (longer ones counted at ``max_length``)."""
-    counts = np.zeros(max_length + 1)
-    if isinstance(histogram, Mapping):
-        edges, bins = np.asarray(histogram["edges"]), np.asarray(histogram["counts"], float)
-        if len(edges) != len(bins) + 1:
-            raise ValueError("a histogram needs len(edges) == len(counts) + 1")
-        for lo, hi, n in zip(edges[:-1], edges[1:], bins, strict=True):
-            lengths = np.arange(int(lo), int(hi))  # spread evenly over the bin's lengths
-            if n and lengths.size:
-                np.add.at(counts, np.minimum(lengths, max_length), n / lengths.size)
-    else:
-        lengths = np.minimum(np.asarray(histogram, np.int64), max_length)
-        counts += np.bincount(lengths, minlength=max_length + 1)
-    return counts
+def length_counts_of(lengths) -> np.ndarray:
+    """The one length-histogram format: ``counts[n]`` sequences of length n, from lengths."""
+    return np.bincount(np.asarray(lengths, np.int64).reshape(-1)).astype(float)
 
 
-def choose_boundaries(histogram, max_length: int, num_buckets: int = 5,
+def choose_boundaries(counts, max_length: int, num_buckets: int = 5,
                       multiple: int = 8) -> tuple[list[int], float]:
-    """Bucket boundaries that minimise the expected padding for a length histogram.
+    """Bucket boundaries that minimise the expected padding for per-length counts.
 
     An exact dynamic programme over candidate boundaries (multiples of ``multiple``, for
     hardware-friendly shapes, plus the last one): cost = sum over lengths of count × the
     boundary it is padded to. The last boundary covers the longest sequence (up to
-    ``max_length``: longer ones are truncated to it).
+    ``max_length``: longer ones are the long policy's, applied before bucketing).
 
     Args:
-      histogram: either a sequence of lengths, or ``{"edges": [e0, ..., en], "counts":
-        [c0, ..., c(n-1)]}`` where ``ci`` sequences have lengths in ``[ei, e(i+1))``, taken as
-        spread evenly over the bin (the format of ``np.histogram``).
+      counts: ``counts[n]`` sequences of length n (``length_counts_of`` makes it from a list
+        of lengths; ``tfspeed.data.text.length_counts`` from a split's schema).
       max_length: the longest T any batch may have.
       num_buckets: at most this many boundaries.
       multiple: candidate boundaries are multiples of this.
@@ -222,7 +211,10 @@ def choose_boundaries(histogram, max_length: int, num_buckets: int = 5,
       ``(boundaries, expected_padding_fraction)``: padded tokens / computed tokens, if every
       sequence were padded to its bucket's boundary.
     """
-    counts = _length_counts(histogram, max_length)
+    counts = np.asarray(counts, float)
+    over = counts[max_length + 1:].sum()
+    counts = np.pad(counts[: max_length + 1], (0, max(0, max_length + 1 - counts.size)))
+    counts[max_length] += over
     longest = int(np.flatnonzero(counts)[-1]) if counts.any() else 1
     top = min(max_length, -(-max(longest, 1) // multiple) * multiple)
     cands = [*range(multiple, top, multiple), top]
@@ -249,6 +241,70 @@ def choose_boundaries(histogram, max_length: int, num_buckets: int = 5,
     real = float(np.dot(np.arange(max_length + 1), counts))
     computed = float(cost[len(chosen), n - 1])
     return sorted(chosen), (1.0 - real / computed) if computed else 0.0
+
+
+def group(ds: tf.data.Dataset, size: int) -> tf.data.Dataset:
+    """Per-sequence elements -> groups of ``size``, padded with -1 to the group's longest:
+    one tensor per group for work done a group at a time (the long policy here, a transfer
+    from tf.data service workers). Undone by ``ungroup``."""
+    pad = tf.constant(_PAD, tf.int32)
+    return ds.padded_batch(size, padding_values={"tokens": pad, "label": pad})
+
+
+def ungroup(groups: tf.data.Dataset) -> tf.data.Dataset:
+    """``group``'s groups -> the per-sequence elements again (padding cut off).
+
+    The lengths are counted per group; the cut is one slice per sequence: on this process
+    the cheapest way back to plain tensors measured (about 2× the sequences/s of unbatching
+    a RaggedTensor, whose elements ``padded_batch`` also refuses; measured once on 2
+    cores, not benchmarked).
+    """
+
+    def lengths(batch):
+        counted = tf.reduce_sum(tf.cast(batch["tokens"] >= 0, tf.int32), axis=1)
+        return {**batch, "length": counted}
+
+    def cut(element):
+        n = element["length"]
+        label = element["label"]
+        return {"tokens": element["tokens"][:n], "label": label[:n] if label.shape.rank else label}
+
+    return groups.map(lengths).unbatch().map(cut)
+
+
+def apply_long(ds: tf.data.Dataset, max_length: int, long: str, window: int = 1024,
+               deterministic: bool = True) -> tf.data.Dataset:
+    """The long-text policy (``tfspeed.data.long_texts``) on per-sequence elements, for the
+    modes that do not apply it themselves (``pack`` does, as it packs).
+
+    A window of sequences at a time, by the same numpy function the converter and the
+    packer use: per group, not per sequence. Add it only where a sequence is longer than
+    ``max_length`` (the schema's lengths tell).
+    """
+    lm = _is_lm(ds)
+
+    def cut(tokens, labels):
+        lengths = (tokens >= 0).sum(axis=1)
+        made = long_texts.pieces(lengths, max_length, long)
+        width = int(made.length.max()) if made.length.size else 0
+        column = np.arange(width)[None, :]
+        inside = column < made.length[:, None]
+        at = np.minimum(made.offset[:, None] + column, max(tokens.shape[1] - 1, 0))
+        rows = made.source[:, None]
+        pieces = np.where(inside, tokens[rows, at], _PAD).astype(np.int32)
+        if lm:
+            return pieces, np.where(inside, labels[rows, at], _PAD).astype(np.int32)
+        return pieces, labels[made.source].astype(np.int32)
+
+    def apply(batch):
+        tokens, labels = tf.numpy_function(cut, [batch["tokens"], batch["label"]],
+                                           [tf.int32, tf.int32], stateful=False)
+        return {"tokens": tf.ensure_shape(tokens, [None, None]),
+                "label": tf.ensure_shape(labels, [None, None] if lm else [None])}
+
+    groups = group(ds, window).map(apply, num_parallel_calls=AUTOTUNE,
+                                   deterministic=deterministic)
+    return ungroup(groups)
 
 
 @dataclasses.dataclass
@@ -324,7 +380,7 @@ def pack(ds: tf.data.Dataset, max_length: int, rows_per_batch: int, window: int 
         raise ValueError(f"long={long!r} is not one of {LONG_POLICIES}")
     segments = max_segments or max(1, max_length // 8)
     lm = _is_lm(ds)
-    packer = _Packer(max_length, segments, long, lm, stats)
+    packer = Packer(max_length, segments, long, lm, stats)
     out_types = [tf.int32, tf.int32, tf.int32, tf.int32, tf.float32]
     width = max_length if lm else segments
 
@@ -346,7 +402,7 @@ def pack(ds: tf.data.Dataset, max_length: int, rows_per_batch: int, window: int 
     return ds.rebatch(rows_per_batch, drop_remainder=drop_remainder)
 
 
-class _Packer:
+class Packer:
     """The numpy side of ``pack``: one window of sequences (padded with -1) -> rows."""
 
     def __init__(self, max_length, max_segments, long, lm, stats):
@@ -382,28 +438,21 @@ class _Packer:
             self.stats.add(real_tokens=piece.size, computed_tokens=rows * self.t)
         return out + [label, weight]
 
+    def rows(self, lengths: np.ndarray) -> int:
+        """Rows the first-fit makes of sequences of ``lengths`` (each at most a row)."""
+        return self._first_fit(np.minimum(np.asarray(lengths, np.int64), self.t))[3]
+
     def _pieces(self, splits):
         """Start, length and source sequence of each piece after the ``long`` policy."""
-        starts, lengths = splits[:-1], np.diff(splits)
-        source = np.arange(lengths.size)
-        over = lengths > self.t
-        counts = {"sequences": lengths.size}
-        if over.any() and self.long == "skip":
-            counts["skipped"] = int(over.sum())
-            starts, lengths, source = starts[~over], lengths[~over], source[~over]
-        elif over.any() and self.long == "truncate":
-            counts["truncated_tokens"] = int((lengths[over] - self.t).sum())
-            lengths = np.minimum(lengths, self.t)
-        elif over.any():  # split
-            n = -(-lengths // self.t)
-            source = np.repeat(source, n)
-            k = np.arange(source.size) - np.repeat(np.cumsum(n) - n, n)  # piece index
-            starts = splits[source] + k * self.t
-            lengths = np.minimum(self.t, splits[source + 1] - starts)
+        lengths = np.diff(splits)
+        made = long_texts.pieces(lengths, self.t, self.long)
         if self.stats is not None:
-            self.stats.add(**counts)
-        keep = lengths > 0
-        return starts[keep], lengths[keep], source[keep]
+            done = long_texts.events(lengths, self.t, self.long)
+            self.stats.add(sequences=lengths.size, skipped=done["skipped"],
+                           truncated_tokens=done["truncated_tokens"])
+        keep = made.length > 0
+        return ((splits[made.source] + made.offset)[keep], made.length[keep],
+                made.source[keep])
 
     def _first_fit(self, lengths):
         """First-fit decreasing: the row, segment index and offset of each piece.

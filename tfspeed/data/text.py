@@ -15,13 +15,18 @@ import dataclasses
 
 import numpy as np
 
-from tfspeed.data import sequences
+from tfspeed.config import MAX_LENGTH_CAP
+from tfspeed.data import long_texts, sequences
 from tfspeed.errors import UsageError
 
 INPUT_NAMES = ("tokens", "segment_ids", "positions")
 MAX_BUCKETS = 16
 BUCKET_PADDING_TARGET = 0.10  # the fewest buckets that keep expected padding below this
 PACK_WINDOW = 1024  # sequences first-fit together (sequences.pack)
+# auto takes the cheaper mode only when it is predicted this much cheaper than padding each
+# batch to its longest: pad has one shape fewer to trace and no grouping buffer.
+PAD_MARGIN = 0.05
+MODES = ("pad", "bucket", "pack")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,9 +35,10 @@ class Batching:
 
     Attributes:
       mode: ``pad``, ``bucket`` or ``pack``.
-      reason: one sentence, citing the expected padding of the alternatives.
-      max_length: T of a packed row, the last bucket's boundary, the longest a padded batch
-        gets; longer sequences follow ``long``.
+      reason: one sentence, citing the predicted (or measured) cost of the alternatives.
+      max_length: T: a packed row's tokens, the last bucket's boundary, the longest a padded
+        batch gets. From the data (every split's longest sequence, rounded up to a multiple
+        of 8) unless ``--max_length`` is lower; longer sequences follow ``long``.
       tokens_per_batch: the token budget of a bucket's or a packed batch.
       batch_size: sequences per padded batch (``pad``).
       rows_per_batch: rows per packed batch (``pack``), a multiple of the replicas.
@@ -41,7 +47,17 @@ class Batching:
       max_segments: S, sequences per row (1 unless packed).
       long: what happens to a sequence longer than ``max_length``.
       expected_padding: the fraction of computed tokens that would be padding, per mode,
-        from the split's lengths (``pad``: each random batch padded to its longest).
+        from the train split's lengths (``pad``: each random batch padded to its longest;
+        ``pack``: first-fit on samples of the lengths).
+      costs: predicted compute per real token of each mode, in units of the per-token work
+        (1.0: no padding and no attention): padding and attention pairs both counted.
+      attention_length: K, the row length at which a token's attention pairs cost as much
+        as its per-token work (from the model); None: a model whose attention is not known,
+        whose costs count padding only.
+      long_counts: per split, what the long policy does to one pass
+        (``tfspeed.data.long_texts.events``).
+      mean_length: the train split's mean sequence (piece) length.
+      measured: what ``--batching=auto`` timed (seconds per real token per mode), when it did.
     """
 
     mode: str
@@ -55,9 +71,20 @@ class Batching:
     max_segments: int
     long: str
     expected_padding: dict
+    costs: dict = dataclasses.field(default_factory=dict)
+    attention_length: float | None = None
+    long_counts: dict = dataclasses.field(default_factory=dict)
+    mean_length: float = 0.0
+    measured: dict = dataclasses.field(default_factory=dict)
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
+
+    def choose(self, mode: str, reason: str, measured: dict | None = None) -> Batching:
+        """The same figures batched as ``mode`` (the probe's choice)."""
+        return dataclasses.replace(
+            self, mode=mode, reason=reason, measured=measured or self.measured,
+            max_segments=max(1, self.max_length // 8) if mode == "pack" else 1)
 
 
 def is_text(schema) -> bool:
@@ -72,171 +99,206 @@ def input_spec() -> dict[str, tuple]:
 
 def length_counts(schema, split: str) -> np.ndarray:
     """``counts[n]``: the sequences of length n that ``sequences.to_examples`` makes of the
-    split (an lm's example is one token shorter than its record: inputs ``t[:-1]``).
-
-    Exact from the per-length counts the converter records; from its power-of-2 histogram
-    (spread evenly over each bin) where a schema has only that.
-    """
+    split (an lm's example is one token shorter than its record: inputs ``t[:-1]``), from the
+    per-length counts the converter records: the one length-histogram format."""
     stats = schema.split(split).text or {}
+    if not stats.get("lengths"):
+        raise UsageError(f"schema.json has no per-length token counts for split {split!r}; "
+                         "reconvert the text with this version of scripts/to_tfrecord.py "
+                         "--overwrite")
     shift = 1 if schema.task == "lm" else 0
-    if stats.get("lengths"):
-        pairs = np.asarray(stats["lengths"], np.int64).reshape(-1, 2)
-        counts = np.zeros(int(pairs[:, 0].max()) + 1)
-        np.add.at(counts, np.maximum(pairs[:, 0] - shift, 0), pairs[:, 1])
-        return counts
-    histogram = stats.get("histogram")
-    if not histogram:
-        raise UsageError(f"schema.json has no token statistics for split {split!r}; reconvert "
-                         "the text with this version of scripts/to_tfrecord.py")
-    bounds, bins = histogram["bounds"], histogram["counts"]  # bounds[i-1] < length <= bounds[i]
-    counts = np.zeros(int(bounds[-1]) + 1)
-    for lo, hi, n in zip([0, *bounds[:-1]], bounds, bins, strict=True):
-        if n:
-            counts[max(lo + 1 - shift, 0):hi + 1 - shift] += n / (hi - lo)
+    pairs = np.asarray(stats["lengths"], np.int64).reshape(-1, 2)
+    counts = np.zeros(int(pairs[:, 0].max()) + 1)
+    np.add.at(counts, np.maximum(pairs[:, 0] - shift, 0), pairs[:, 1])
     return counts
 
 
-def piece_counts(counts: np.ndarray, max_length: int, long: str) -> np.ndarray:
-    """Length counts after the ``long`` policy (``split``: a sequence of L > T becomes
-    L // T pieces of T and one of L % T)."""
-    out = np.zeros(max_length + 1)
-    out[: min(len(counts), max_length + 1)] += counts[: max_length + 1]
-    over = np.arange(len(counts)) > max_length
-    if long == "truncate":
-        out[max_length] += counts[over].sum()
-    elif long == "split":
-        lengths = np.flatnonzero(over)
-        out[max_length] += float(np.dot(counts[lengths], lengths // max_length))
-        np.add.at(out, lengths % max_length, counts[lengths])
-        out[0] = 0.0
-    return out
+def longest(counts: np.ndarray) -> int:
+    """The longest length with a sequence in ``counts`` (0 for none)."""
+    return int(np.flatnonzero(counts)[-1]) if counts.any() else 0
+
+
+def resolve_max_length(longest_sequence: int, requested: int = 0) -> int:
+    """T: the longest sequence rounded up to a multiple of 8, at most ``requested`` (0: at
+    most ``MAX_LENGTH_CAP``, the cap the converter applies by default too)."""
+    cap = requested or MAX_LENGTH_CAP
+    return max(2, min(cap, -(-max(longest_sequence, 1) // 8) * 8))
 
 
 def expected_padding(counts: np.ndarray, batch_size: int) -> dict:
     """Expected padding fractions of ``counts`` (lengths after the long policy).
 
     Returns:
-      ``{"pad", "fixed", "bucket", "boundaries"}``: ``pad`` pads a batch of ``batch_size``
-      random sequences to its longest (E[max] from the length distribution), ``fixed`` every
-      sequence to the longest allowed, ``bucket`` each to its bucket's boundary, with the
-      fewest buckets (up to ``MAX_BUCKETS``) that bring it under ``BUCKET_PADDING_TARGET``.
+      ``{"pad", "fixed", "bucket", "boundaries", "pad_width"}``: ``pad`` pads a batch of
+      ``batch_size`` random sequences to its longest (``pad_width``, E[max] from the length
+      distribution), ``fixed`` every sequence to the longest allowed, ``bucket`` each to its
+      bucket's boundary, with the fewest buckets (up to ``MAX_BUCKETS``) that bring it under
+      ``BUCKET_PADDING_TARGET``.
     """
     max_length = len(counts) - 1
     total = counts.sum()
     if not total:
-        return {"pad": 0.0, "fixed": 0.0, "bucket": 0.0, "boundaries": [max_length]}
+        return {"pad": 0.0, "fixed": 0.0, "bucket": 0.0, "boundaries": [max_length],
+                "pad_width": float(max_length)}
     lengths = np.arange(max_length + 1)
     mean = float(np.dot(lengths, counts)) / total
     cdf = np.cumsum(counts) / total
     below = np.concatenate([[0.0], cdf[:-1]])
-    longest = float(np.dot(lengths, cdf ** batch_size - below ** batch_size))
-    histogram = {"edges": np.arange(max_length + 2), "counts": counts}
+    widest = float(np.dot(lengths, cdf ** batch_size - below ** batch_size))
     for buckets in range(1, MAX_BUCKETS + 1):
-        boundaries, bucket = sequences.choose_boundaries(histogram, max_length, buckets)
+        boundaries, bucket = sequences.choose_boundaries(counts, max_length, buckets)
         if bucket <= BUCKET_PADDING_TARGET:
             break
-    return {"pad": round(float(1 - mean / longest), 4) if longest else 0.0,
+    return {"pad": round(float(1 - mean / widest), 4) if widest else 0.0,
             "fixed": round(float(1 - mean / max_length), 4), "bucket": round(float(bucket), 4),
-            "boundaries": [int(b) for b in boundaries]}
+            "boundaries": [int(b) for b in boundaries], "pad_width": round(widest, 2)}
 
 
-def choose_batching(schema, split: str, takes_segments: bool, *, batch_size: int = 32,
-                    max_length: int = 0, long: str = "split") -> tuple[str, str]:
-    """What ``--batching=auto`` picks for ``split`` and why.
-
-    Pack when the model takes segment ids (its attention and pooling keep packed
-    sequences apart): padding-free whatever the lengths. Otherwise bucket when bucketing's
-    expected padding is much below (at most half, and 5 points under) that of padding
-    each batch to its longest; else pad (one shape fewer to trace, no grouping buffer).
-
-    Args:
-      schema: a token schema.
-      split: whose length statistics decide.
-      takes_segments: the model takes ``segment_ids`` and attends within segments.
-      batch_size: sequences per padded batch (the longest of more sequences is longer).
-      max_length: T (0: as ``resolve_max_length``).
-      long: the policy for sequences longer than T.
-
-    Returns:
-      ``(mode, reason)``: the reason cites the expected padding figures.
-    """
-    counts = length_counts(schema, split)
-    max_length = max_length or resolve_max_length(schema, counts)
-    padding = expected_padding(piece_counts(counts, max_length, long), batch_size)
-    return _choose(padding, takes_segments, batch_size)
+def pack_padding(counts: np.ndarray, max_length: int, max_segments: int,
+                 windows: int = 4) -> float:
+    """The padding of packed rows of ``max_length``: ``sequences.pack``'s first-fit run on
+    ``windows`` windows of lengths drawn (seeded) from ``counts``."""
+    lengths = np.repeat(np.arange(len(counts)), np.round(counts).astype(np.int64))
+    lengths = lengths[lengths > 0]
+    if not lengths.size:
+        return 0.0
+    sample = np.random.default_rng(0).permutation(lengths)[: windows * PACK_WINDOW]
+    packer = sequences.Packer(max_length, max_segments, "truncate", False, None)
+    rows = sum(packer.rows(sample[i:i + PACK_WINDOW])
+               for i in range(0, sample.size, PACK_WINDOW))
+    return round(1.0 - float(sample.sum()) / (rows * max_length), 4)
 
 
-def _choose(padding: dict, takes_segments: bool, batch_size: int) -> tuple[str, str]:
-    pad, bucket, n = padding["pad"], padding["bucket"], len(padding["boundaries"])
-    figures = (f"expected padding: {pad:.0%} padding each batch of {batch_size} to its "
-               f"longest, {bucket:.0%} in {n} bucket(s) {padding['boundaries']}")
+def predicted_costs(counts: np.ndarray, padding: dict, max_length: int,
+                    attention_length: float | None) -> dict[str, float]:
+    """Compute per real token of each mode, in units of the per-token work: a row of width
+    w costs each of its tokens ``1 + w / K`` (K = ``attention_length``: a token attends to
+    all w positions of its row, the masked ones too), and padding costs as real tokens."""
+    k = attention_length or float("inf")
+    real = float(np.dot(np.arange(len(counts)), counts)) or 1.0
+
+    def per_token(width):
+        return 1.0 + width / k
+
+    lower, bucketed = 0, 0.0
+    for boundary in padding["boundaries"]:
+        held = counts[lower + 1: boundary + 1].sum()
+        bucketed += held * boundary * per_token(boundary)
+        lower = boundary
+    return {"pad": round(per_token(padding["pad_width"]) / max(1 - padding["pad"], 1e-3), 4),
+            "bucket": round(bucketed / real, 4),
+            "pack": round(per_token(max_length) / max(1 - padding["pack"], 1e-3), 4)}
+
+
+def choose(costs: dict[str, float], takes_segments: bool) -> tuple[str, str]:
+    """What ``--batching=auto`` picks from predicted (or measured) costs, and why: the
+    cheapest of bucket and pack for a model that keeps packed sequences apart; for others
+    bucket when it saves at least ``PAD_MARGIN`` over padding each batch to its longest."""
+    figures = ", ".join(f"{m} {costs[m]:.2f}" for m in MODES if m in costs)
     if takes_segments:
-        return "pack", f"auto: pack, the model takes segment ids ({figures}; packed ~0%)"
-    if bucket <= pad / 2 and pad - bucket >= 0.05:
-        return "bucket", f"auto: bucket, the model takes no segment ids ({figures})"
-    return "pad", f"auto: pad, bucketing would not save much ({figures})"
+        mode = min(("bucket", "pack"), key=lambda m: costs[m])
+    else:
+        mode = "bucket" if costs["bucket"] <= (1 - PAD_MARGIN) * costs["pad"] else "pad"
+    return mode, f"auto: {mode}, the least compute per real token ({figures})"
 
 
-def resolve_max_length(schema, counts: np.ndarray, requested: int = 0) -> int:
-    """``requested``, else the conversion's ``--max_length``, else the longest example
-    rounded up to a multiple of 8."""
-    if requested:
-        return requested
-    converted = int(schema.text.get("max_length") or 0)
-    longest = int(np.flatnonzero(counts)[-1]) if counts.any() else 1
-    return converted or max(8, -(-longest // 8) * 8)
-
-
-def resolve(config, schema, takes_segments: bool = False, replicas: int = 1) -> Batching:
+def resolve(config, schema, takes_segments: bool = False, replicas: int = 1,
+            attention_length: float | None = None) -> Batching:
     """The ``Batching`` of a DataConfig (``batching``, ``max_length``, ``tokens_per_batch``,
-    ``long``, ``batch_size``) on a token schema, from its train split's lengths (every split
-    is batched alike: one set of compiled shapes).
+    ``long``, ``batch_size``) on a token schema: the one resolver (the job resolves once and
+    hands the result to its pipelines, the model, tune and diagnose).
+
+    Every split is batched alike (one set of shapes); the figures come from the train
+    split's lengths, and T and the last bucket cover every split's longest sequence.
 
     Args:
       config: the data settings.
       schema: a token schema.
-      takes_segments: the model takes segment ids (``auto`` then packs).
+      takes_segments: the model takes segment ids (``auto`` may then pack).
       replicas: every global batch is a multiple of this many sequences or rows.
+      attention_length: the model's K (see ``Batching``); None: padding alone is counted.
+
+    Raises:
+      UsageError: a token budget too small for one row (or the longest bucket) per
+        replica; a padded batch that does not split over the replicas.
     """
     split = config.train_split if config.train_split in schema.splits else next(
         iter(schema.splits))
-    counts = length_counts(schema, split)
-    max_length = resolve_max_length(schema, counts, config.max_length)
-    tokens = config.tokens_per_batch or config.batch_size * max_length
-    padding = expected_padding(piece_counts(counts, max_length, config.long), config.batch_size)
+    every = {name: length_counts(schema, name) for name in schema.splits
+             if schema.split(name).text}
+    t = resolve_max_length(max(map(longest, every.values())), config.max_length)
+    counts = long_texts.piece_counts(every[split], t, config.long)
+    padding = expected_padding(counts, config.batch_size)
+    segments = max(1, t // 8)
+    padding["pack"] = pack_padding(counts, t, segments)
+    boundaries = _cover(padding["boundaries"], every, t, config.long)
+    mean = float(np.dot(np.arange(len(counts)), counts)) / max(counts.sum(), 1.0)
+    tokens = _tokens_per_batch(config, mean, t, boundaries, replicas)
+    costs = predicted_costs(counts, padding, t, attention_length)
     mode, reason = config.batching, f"--batching={config.batching}"
     if mode == "auto":
-        mode, reason = _choose(padding, takes_segments, config.batch_size)
-    boundaries = tuple(padding["boundaries"])
-    rows = max(replicas, tokens // max_length // replicas * replicas)
+        mode, reason = choose(costs, takes_segments)
+    if mode == "pad" and config.batch_size % replicas:
+        raise UsageError(f"--batch_size={config.batch_size} does not split evenly over "
+                         f"{replicas} replicas; use a multiple of {replicas}")
+    rows = max(replicas, round(tokens / t / replicas) * replicas)
     return Batching(
-        mode=mode, reason=reason, max_length=max_length, tokens_per_batch=tokens,
+        mode=mode, reason=reason, max_length=t, tokens_per_batch=tokens,
         batch_size=config.batch_size, rows_per_batch=rows,
-        boundaries=boundaries if mode == "bucket" else (),
+        boundaries=tuple(boundaries) if mode == "bucket" else (),
         bucket_batch_sizes=(tuple(sequences.bucket_batch_sizes(boundaries, tokens, replicas))
                             if mode == "bucket" else ()),
-        max_segments=max(1, max_length // 8) if mode == "pack" else 1,
-        long=config.long, expected_padding=padding)
+        max_segments=segments if mode == "pack" else 1, long=config.long,
+        expected_padding=padding, costs=costs, attention_length=attention_length,
+        long_counts={name: long_texts.events(np.arange(len(c)), t, config.long, weights=c)
+                     for name, c in every.items()},
+        mean_length=round(mean, 2))
+
+
+def _cover(boundaries: list[int], every: dict, max_length: int, long: str) -> list[int]:
+    """``boundaries`` with the last one covering every split's longest piece: a validation
+    sequence longer than any in train is the long policy's, never cut by bucketing."""
+    widest = max(longest(long_texts.piece_counts(c, max_length, long)) for c in every.values())
+    need = min(max_length, -(-widest // 8) * 8)
+    if need <= boundaries[-1]:
+        return list(boundaries)
+    return [*boundaries[: MAX_BUCKETS - 1], need]
+
+
+def _tokens_per_batch(config, mean: float, max_length: int, boundaries, replicas: int) -> int:
+    """``--tokens_per_batch``, or by default ``--batch_size`` sequences of the mean length
+    (about as many sequences per update as a padded batch), at least one row (and one
+    sequence of the longest bucket) per replica."""
+    least = max(max_length, boundaries[-1]) * replicas if config.batching != "pad" else 0
+    if config.tokens_per_batch:
+        if config.tokens_per_batch < least:
+            raise UsageError(
+                f"--tokens_per_batch={config.tokens_per_batch} holds less than one row of "
+                f"{max_length} tokens (--max_length, or the longest sequence) per replica "
+                f"({replicas}); raise it to at least {least}, or lower --max_length")
+        return config.tokens_per_batch
+    return max(int(round(config.batch_size * mean)), max_length * replicas)
 
 
 def batches_per_epoch(batching: Batching, schema, split: str) -> int:
     """Training batches (drop-remainder) in one pass over ``split``, from its lengths: what an
     epoch is for token data, where a batch holds a token budget rather than a fixed number of
-    records. ``pack`` is counted as if rows were full (its padding is a few per cent)."""
-    counts = piece_counts(length_counts(schema, split), batching.max_length, batching.long)
+    records. Batches span epoch ends (the input repeats before batching), so a bucket's
+    remainder counts as the fraction of a batch it is."""
+    counts = long_texts.piece_counts(length_counts(schema, split), batching.max_length,
+                                     batching.long)
     if batching.mode == "pad":
         return int(counts.sum()) // batching.batch_size
     if batching.mode == "bucket":
-        lengths, total = np.arange(len(counts)), 0
-        lower = 0
+        lower, total = 0, 0.0
         for boundary, size in zip(batching.boundaries, batching.bucket_batch_sizes,
                                   strict=True):
-            held = counts[(lengths > lower) & (lengths <= boundary)].sum()
-            total += int(held) // size
+            total += counts[lower + 1: boundary + 1].sum() / size
             lower = boundary
-        return total
+        return int(total)
     tokens = float(np.dot(np.arange(len(counts)), counts))
-    return int(tokens // batching.max_length) // batching.rows_per_batch
+    fill = 1 - batching.expected_padding.get("pack", 0.0)
+    return int(tokens / (batching.max_length * fill)) // batching.rows_per_batch
 
 
 def make_to_example(task: str):
@@ -253,38 +315,6 @@ def make_to_example(task: str):
         return to_example({"tokens": tokens, "label": record.get("label", 0)})
 
     return convert
-
-
-def to_service_groups(ds, size: int):
-    """``make_to_example``'s elements -> groups of ``size``, padded with -1 to the group's
-    longest: how sequences travel from tf.data service workers (one transfer per group, a
-    plain batch, no per-sequence work on the worker). Undone by ``from_service_groups``."""
-    import tensorflow as tf
-
-    pad = tf.constant(sequences._PAD, tf.int32)
-    return ds.padded_batch(size, padding_values={"tokens": pad, "label": pad})
-
-
-def from_service_groups(groups):
-    """``to_service_groups``' groups -> the per-sequence elements again (padding cut off).
-
-    The lengths are counted per group; the cut is one slice per sequence: on this process
-    the cheapest way back to plain tensors measured (about 2× the sequences/s of unbatching
-    a RaggedTensor, whose elements ``padded_batch`` also refuses; measured once on 2
-    cores, not benchmarked).
-    """
-    import tensorflow as tf
-
-    def lengths(group):
-        counted = tf.reduce_sum(tf.cast(group["tokens"] >= 0, tf.int32), axis=1)
-        return {**group, "length": counted}
-
-    def cut(element):
-        n = element["length"]
-        label = element["label"]
-        return {"tokens": element["tokens"][:n], "label": label[:n] if label.shape.rank else label}
-
-    return groups.map(lengths).unbatch().map(cut)
 
 
 def batch(ds, batching: Batching, *, training: bool, longest: int, num_pipelines: int = 1,
@@ -310,7 +340,7 @@ def batch(ds, batching: Batching, *, training: bool, longest: int, num_pipelines
 
     t, drop = batching.max_length, training
     if longest > t and batching.mode != "pack":  # pack applies the policy while packing
-        ds = _apply_long(ds, batching.long, t)
+        ds = sequences.apply_long(ds, t, batching.long, PACK_WINDOW, deterministic)
     if batching.mode == "pack":
         rows = batching.rows_per_batch // num_pipelines
         ds = sequences.pack(ds, t, rows, window=PACK_WINDOW, max_segments=batching.max_segments,
@@ -335,24 +365,6 @@ def batch(ds, batching: Batching, *, training: bool, longest: int, num_pipelines
         ds = sequences.pad(ds, size, drop_remainder=drop, deterministic=deterministic)
         ds = ds if drop else ds.map(lambda x, y: _fill((x, y), size))
     return _per_replica(ds, local_replicas) if local_replicas > 1 else ds
-
-
-def _apply_long(ds, long: str, max_length: int):
-    """The long policy for pad and bucket (pack has its own): per sequence, so added only
-    where the split has a sequence longer than ``max_length``."""
-    import tensorflow as tf
-
-    if long == "skip":
-        return ds.filter(lambda e: tf.size(e["tokens"]) <= max_length)
-    if long == "truncate":
-        return ds.map(lambda e: {k: v[:max_length] if v.shape.rank else v for k, v in e.items()})
-
-    def pieces(element):  # split: consecutive pieces of max_length, each its own sequence
-        starts = tf.range(0, tf.size(element["tokens"]), max_length)
-        return tf.data.Dataset.from_tensor_slices(starts).map(lambda start: {
-            k: v[start:start + max_length] if v.shape.rank else v for k, v in element.items()})
-
-    return ds.flat_map(pieces)
 
 
 def _fill(batch, rows):

@@ -18,7 +18,6 @@ CONTENTION_RATIO = 0.75  # together below this share of min(input, model) alone:
 SHARDS_FOR_INTERLEAVE = 16
 PADDING_SIGNIFICANT = 0.20  # measured padding above this share of computed tokens: advise
 PADDING_MIN_GAIN = 1.1  # an alternative batching must promise this many x real tokens/s
-PACKED_PADDING = 0.02  # first-fit packing's unfilled row ends, typically (benchmarks/sequences.py)
 
 
 def decide(config, schema, plan, figures: dict) -> dict:
@@ -179,27 +178,20 @@ def padding_steps(config, schema, figures: dict) -> list[dict]:
 
 def expected_alternatives(data, schema, takes_segments: bool) -> dict[str, float]:
     """Expected padding fraction of each batching the model can take, from the train
-    split's length counts: ``pad`` and ``bucket`` as ``text.expected_padding`` gives them,
-    ``pack`` as ``PACKED_PADDING`` (first-fit rows leave little unfilled)."""
+    split's length counts (``text.resolve``'s figures; ``pack`` by first-fit on samples)."""
     from tfspeed.data import text
 
-    counts = text.length_counts(schema, _split(data, schema))
-    max_length = text.resolve_max_length(schema, counts, data.max_length)
-    expected = text.expected_padding(text.piece_counts(counts, max_length, data.long),
-                                     data.batch_size)
+    expected = text.resolve(data, schema).expected_padding
     out = {"pad": expected["pad"], "bucket": expected["bucket"]}
     if takes_segments:
-        out["pack"] = PACKED_PADDING
+        out["pack"] = expected["pack"]
     return out
 
 
 def expected_buckets(data, schema) -> list[int]:
     from tfspeed.data import text
 
-    counts = text.length_counts(schema, _split(data, schema))
-    max_length = text.resolve_max_length(schema, counts, data.max_length)
-    return text.expected_padding(text.piece_counts(counts, max_length, data.long),
-                                 data.batch_size)["boundaries"]
+    return text.resolve(data, schema).expected_padding["boundaries"]
 
 
 def _split(data, schema) -> str:

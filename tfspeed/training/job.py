@@ -44,6 +44,7 @@ class Job:
     data_configs: dict = dataclasses.field(default_factory=dict)  # per split, cache resolved
     objectives: object = None  # the loss and metrics (tfspeed.training.objectives)
     epoch_batches: int = 0  # token data: batches in one pass (a batch is a token budget)
+    batching: object = None  # token data: the resolved ``tfspeed.data.text.Batching``
 
     @property
     def train_data_config(self):
@@ -120,7 +121,6 @@ def _build(config: Config, rt, lock: locks.Lock | None, converted_s: float = 0.0
     from tfspeed.data import job_input, pipeline
     from tfspeed.data import schema as schema_lib
     from tfspeed.data import text as text_lib
-    from tfspeed.training import models
 
     prepare_seconds = converted_s + (_prepare_data(config) if rt.is_chief
                                      else _wait_for_data(config))
@@ -133,25 +133,27 @@ def _build(config: Config, rt, lock: locks.Lock | None, converted_s: float = 0.0
     num_train = schema.split(data.train_split).num_records
     keras.utils.set_random_seed(data.seed)
     strategy = rt.strategy
-    epoch_batches = 0
+    batching, epoch_batches = None, 0
     if text_lib.is_text(schema):
-        batching = _batching(config, rt, schema)
+        batching = resolve_batching(config, rt, schema)
         _check_text_batch(batching, schema, data.train_split)
         rt = runtime.for_batching(rt, config.runtime, batching.mode)
         epoch_batches = max(1, text_lib.batches_per_epoch(batching, schema, data.train_split))
     else:
         _check_batch(data.batch_size, num_train, rt.num_replicas, data.train_split)
-    inputs = job_input.build(config, schema, strategy, num_train,
-                             takes_segments=models.takes_segments(config.model.name))
+    steps_per_epoch = epoch_batches or num_train // data.batch_size
+    inputs = job_input.build(config, schema, strategy, num_train, steps_per_epoch, batching)
     # The whole split unless --eval_steps caps it. Not a count computed here: with several
     # workers one may hold a batch more than another, and tf.distribute then runs every
-    # worker until the last has no data (the others get empty batches).
-    eval_steps = config.train.eval_steps or None
+    # worker until the last has no data (the others get empty batches). Text caps the
+    # sequences it reads instead (job_input): its batches of similar lengths are not a sample.
+    eval_steps = (config.train.eval_steps or None) if batching is None else None
     input_shape = pipeline.input_shape(schema, data)
     if _precision_to_measure(config, rt):
-        rt = _measure_precision(config, rt, schema, inputs, input_shape, num_train)
+        rt = _measure_precision(config, rt, schema, inputs, input_shape, steps_per_epoch,
+                                batching)
         keras.utils.set_random_seed(data.seed)  # the probe's models drew from the generator
-    model, goals = build_model(config, rt, schema, input_shape)
+    model, goals = build_model(config, rt, schema, input_shape, batching)
     # One input pipeline per worker process.
     sharding = pipeline.sharding(len(schema.split(data.train_split).shards), rt.num_workers)
     if data.data_service:
@@ -167,17 +169,21 @@ def _build(config: Config, rt, lock: locks.Lock | None, converted_s: float = 0.0
                eval_steps=eval_steps, input_shape=input_shape, num_train=num_train,
                prepare_seconds=prepare_seconds, input_sharding=sharding, lock=lock,
                preprocess=inputs.preprocess, input_report=inputs.report,
-               data_configs=inputs.configs, objectives=goals, epoch_batches=epoch_batches)
+               data_configs=inputs.configs, objectives=goals, epoch_batches=epoch_batches,
+               batching=batching)
 
 
 # An engine built to be timed, not to train a run: its schedule never ends early.
 PROBE_UPDATES = 10**6
 
 
-def build_model(config: Config, rt, schema, input_shape: tuple[int, ...]):
+def build_model(config: Config, rt, schema, input_shape: tuple[int, ...], batching=None):
     """The job's model, built in the strategy's scope under the current precision policy,
     with the loss and metrics resolved for it: the one place a job's model and objectives
     come from (training, the precision probe, ``tfspeed.tune`` and ``tfspeed.diagnose``).
+
+    Args:
+      batching: token data: the job's resolved batching (its T and S size the model).
 
     Returns:
       ``(model, objectives)``.
@@ -187,7 +193,7 @@ def build_model(config: Config, rt, schema, input_shape: tuple[int, ...]):
 
     spec, extra = None, {}
     if text.is_text(schema):
-        batching = _batching(config, rt, schema)
+        batching = batching or resolve_batching(config, rt, schema)
         spec = {"vocab_size": schema.text["tokenizer"]["vocab_size"], "task": schema.task,
                 "max_length": batching.max_length, "max_segments": batching.max_segments}
         extra = {"sequences": True}  # dict targets {"label", "weight"}, weighted exactly
@@ -198,14 +204,16 @@ def build_model(config: Config, rt, schema, input_shape: tuple[int, ...]):
     return model, goals
 
 
-def _batching(config: Config, rt, schema):
-    """The token batching the job's input uses (``tfspeed.data.text.resolve``: the same
-    figures, so the model's positions and segments fit its batches)."""
+def resolve_batching(config: Config, rt, schema):
+    """The job's token batching: ``tfspeed.data.text.resolve`` with what the model tells
+    (whether it keeps packed sequences apart, its attention's cost). Resolved once per job;
+    its input, model, report, tune and diagnose all take this value."""
     from tfspeed.data import text
     from tfspeed.training import models
 
+    k = models.attention_length(config.model, schema.task, schema.num_outputs)
     return text.resolve(config.data, schema, models.takes_segments(config.model.name),
-                        rt.num_replicas)
+                        rt.num_replicas, attention_length=k)
 
 def build_engine(config: Config, rt, model, goals, preprocess=None,
                  total_updates: int = PROBE_UPDATES):
@@ -216,7 +224,7 @@ def build_engine(config: Config, rt, model, goals, preprocess=None,
                                total_updates, preprocess)
 
 def engine_at(config: Config, rt, schema, input_shape, preprocess, precision: str,
-              xla: bool | None = None):
+              xla: bool | None = None, batching=None):
     """A fresh model and its engine under ``precision`` (and ``xla``), for timing: the
     job's own model, loss and metrics. Sets the global Keras policy to ``precision``.
 
@@ -230,7 +238,7 @@ def engine_at(config: Config, rt, schema, input_shape, preprocess, precision: st
                                xla=rt.plan.xla if xla is None else xla)
     rt = dataclasses.replace(rt, plan=plan)
     keras.mixed_precision.set_global_policy(precision)
-    model, goals = build_model(config, rt, schema, input_shape)
+    model, goals = build_model(config, rt, schema, input_shape, batching)
     return build_engine(config, rt, model, goals, preprocess), rt
 
 def _precision_to_measure(config: Config, rt) -> bool:
@@ -241,7 +249,8 @@ def _precision_to_measure(config: Config, rt) -> bool:
     return (config.runtime.precision == "auto" and rt.plan.precision == "mixed_bfloat16"
             and rt.plan.reasons.get("precision", "").startswith("auto: this CPU"))
 
-def _measure_precision(config: Config, rt, schema, inputs, input_shape, num_train: int):
+def _measure_precision(config: Config, rt, schema, inputs, input_shape, steps_per_epoch: int,
+                       batching=None):
     """Times a few steps of the job's model (its loss and metrics too) in float32 and in the
     mixed policy on one real batch; returns the runtime with the faster policy set
     (``autotune.choose_precision``). Logs each stage: tracing a large model takes a while."""
@@ -258,7 +267,7 @@ def _measure_precision(config: Config, rt, schema, inputs, input_shape, num_trai
         plain = dataclasses.replace(inputs.configs[data.train_split], shuffle=False,
                                     augment=(), cache="none")
         held = next(iter(pipeline.build_from_config(plain, data.train_split, training=True,
-                                                    schema=schema)))
+                                                    schema=schema, batching=batching)))
         source = iter(rt.strategy.experimental_distribute_dataset(
             tf.data.Dataset.from_tensors(held).repeat()))
     candidate = rt.plan.precision
@@ -266,9 +275,9 @@ def _measure_precision(config: Config, rt, schema, inputs, input_shape, num_trai
     for policy in ("float32", candidate):
         logging.info("precision probe: building and tracing the model in %s", policy)
         engines[policy], _ = engine_at(config, rt, schema, input_shape, inputs.preprocess,
-                                       policy)
+                                       policy, batching=batching)
     run_steps = config.train.train_steps * config.train.grad_accum_steps or (
-        config.train.epochs * (num_train // data.batch_size))
+        config.train.epochs * steps_per_epoch)
     timed = autotune.time_steps(engines, source, agree=rt.mean_over_workers,
                                 run_steps=run_steps, progress=logging.info)
     seconds = {policy: rt.mean_over_workers(t) for policy, t in timed.items()}

@@ -188,6 +188,19 @@ def is_user_model(name: str) -> bool:
     return ":" in name
 
 
+def attention_length(config: ModelConfig, task: str, num_outputs: int) -> float | None:
+    """The built-in transformer's K (``transformer.attention_length``: what attention over a
+    row of w positions costs relative to a token's other work, 1 + w / K); None for a model
+    whose attention tfspeed does not know."""
+    if config.name != "transformer":
+        return None
+    from tfspeed.training import transformer
+
+    return transformer.attention_length(config.width or 64, config.depth or 2,
+                                        config.heads or 4,
+                                        num_outputs if task == "lm" else 0)
+
+
 def takes_segments(name: str) -> bool:
     """Whether model ``name`` keeps packed sequences apart (segment ids): the built-in
     transformer does; a user's model is not assumed to."""

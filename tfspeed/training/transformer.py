@@ -43,6 +43,28 @@ from keras import ops
 
 TASKS = ("classification", "lm")
 INPUT_NAMES = ("tokens", "segment_ids", "positions")
+# The element-wise work of one attention pair in one head (the mask, the softmax and their
+# gradients), in multiply-adds of a matmul's cost: fitted to the train step's time per token
+# at row widths 16 to 512 (width 64, 4 heads, 2 cores), where attention's share grows with
+# the row as 1 + width / K.
+PAIR_WORK_PER_HEAD = 19
+
+
+def attention_length(width: int, depth: int, heads: int, outputs_per_token: int = 0) -> float:
+    """K: the row length at which a token's attention pairs cost as much as its per-token
+    work (its projections and MLP, and an lm's output layer over the vocabulary), so a
+    token in a row of w positions costs ``1 + w / K`` per-token units. Every position of a
+    row is attended to, the masked ones too: packing short texts into long rows pays for
+    pairs that no segment uses.
+
+    Args:
+      width, depth, heads: the transformer's.
+      outputs_per_token: logits computed per token (an lm's vocabulary; 0 for classification,
+        which pools before its small head).
+    """
+    per_token = depth * 12 * width * width + outputs_per_token * width
+    per_pair = depth * (2 * width + PAIR_WORK_PER_HEAD * heads)
+    return per_token / per_pair
 
 
 @keras.saving.register_keras_serializable(package="tfspeed")

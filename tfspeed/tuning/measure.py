@@ -142,16 +142,16 @@ def _measure_text_input(job, budget: Budget) -> _InputFindings:
     import numpy as np
     import tensorflow as tf
 
-    from tfspeed.data import pipeline
+    from tfspeed.data import long_texts, pipeline
     from tfspeed.data import text as text_lib
     from tfspeed.training import models
 
     data, schema = job.train_data_config, job.schema
     split = data.train_split
-    resolved = text_lib.resolve(data, schema)
+    resolved = job.batching
     counts = text_lib.length_counts(schema, split)
-    pieces = text_lib.piece_counts(counts, resolved.max_length, data.long)
-    expected = text_lib.expected_padding(pieces, data.batch_size)
+    pieces = long_texts.piece_counts(counts, resolved.max_length, resolved.long)
+    expected = resolved.expected_padding
     modes = ["pad", "bucket"] + (["pack"] if models.takes_segments(job.config.model.name)
                                  else [])
     total = float(pieces.sum())
