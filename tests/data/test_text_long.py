@@ -1,0 +1,140 @@
+"""Sequences longer than a batch holds, in every split: the long policy (``--long``) applies
+to train and evaluation alike, nothing is cut silently, and report figures count it.
+
+The corpus is real prose: paragraphs of Python's language reference (``pydoc_data``),
+written as a text folder whose validation split holds the longest paragraphs, longer than
+any in train (as a user's held-out set may).
+"""
+
+import re
+from pydoc_data.topics import topics
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfspeed.data
+from tfspeed.config import DataConfig
+from tfspeed.convert import convert
+from tfspeed.convert.sources.base import TextOptions
+from tfspeed.data import schema as schema_lib
+from tfspeed.data import text
+from tfspeed.errors import UsageError
+
+PARAGRAPHS = sorted({p.strip() for key in sorted(topics)
+                     for p in re.split(r"\n\s*\n", topics[key]) if len(p.split()) >= 3},
+                    key=lambda p: (len(p), p))
+
+
+@pytest.fixture(scope="module")
+def long_eval_dir(tmp_path_factory) -> str:
+    """train: 240 paragraphs of under 40 words; validation: 40 of 100 to 200 words."""
+    root = tmp_path_factory.mktemp("long_eval")
+    words = {p: len(p.split()) for p in PARAGRAPHS}
+    picks = {"train": [p for p in PARAGRAPHS if words[p] < 40][::7][:240],
+             "validation": [p for p in PARAGRAPHS if 100 <= words[p] <= 200][:40]}
+    for split, paragraphs in picks.items():
+        for i, paragraph in enumerate(paragraphs):
+            folder = root / "src" / split / ("even" if i % 2 == 0 else "odd")
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / f"p{i:04d}.txt").write_text(paragraph)
+    out = root / "data"
+    convert(f"textfolder:{root / 'src'}", str(out), shards=2,
+            text=TextOptions(tokenizer="bpe:400", max_length=0))
+    return str(out)
+
+
+def _longest(data_dir, split):
+    return text.longest(text.length_counts(schema_lib.read(data_dir), split))
+
+
+def _tokens(batches):
+    """Every real token of ``batches``, as a multiset (id -> count), and the widest row."""
+    counts, widest = {}, 0
+    for x, _ in batches:
+        real = x["segment_ids"].numpy() > 0
+        widest = max(widest, x["tokens"].shape[1])
+        for token in x["tokens"].numpy()[real].tolist():
+            counts[token] = counts.get(token, 0) + 1
+    return counts, widest
+
+
+def _reference(data_dir, split):
+    schema = schema_lib.read(data_dir)
+    counts = {}
+    for path in schema.shard_paths(data_dir, split):
+        for record in tf.data.TFRecordDataset(path):
+            example = tf.train.Example.FromString(record.numpy())
+            for token in example.features.feature["tokens"].int64_list.value:
+                counts[token] = counts.get(token, 0) + 1
+    return counts
+
+
+def test_the_corpus_has_validation_texts_longer_than_any_in_train(long_eval_dir):
+    assert _longest(long_eval_dir, "validation") > 2 * _longest(long_eval_dir, "train")
+
+
+@pytest.mark.parametrize("mode", ["bucket", "pad", "pack"])
+def test_validation_longer_than_train_is_whole_by_default(long_eval_dir, mode):
+    """T covers every split's longest (rounded up to 8): no validation token is cut, and the
+    last bucket is as wide as the longest validation text, though train's are all shorter."""
+    longest = _longest(long_eval_dir, "validation")
+    batching = text.resolve(DataConfig(data_dir=long_eval_dir, batch_size=8, batching=mode),
+                            schema_lib.read(long_eval_dir))
+    assert batching.max_length == -(-longest // 8) * 8
+    assert batching.long_counts["validation"]["over"] == 0
+    ds = tfspeed.data.build(long_eval_dir, "validation", 8, batching=mode)
+    found, widest = _tokens(ds)
+    assert found == _reference(long_eval_dir, "validation")
+    assert widest >= longest
+    if mode == "bucket":
+        assert batching.boundaries[-1] >= longest
+
+
+@pytest.mark.parametrize("long", ["split", "truncate", "skip"])
+@pytest.mark.parametrize("mode", ["bucket", "pack"])
+def test_a_cap_below_the_longest_applies_long_to_evaluation_and_counts_it(long_eval_dir, mode,
+                                                                          long):
+    schema = schema_lib.read(long_eval_dir)
+    cap = 8 * (_longest(long_eval_dir, "train") // 8 + 1)  # above every train text
+    config = DataConfig(data_dir=long_eval_dir, batch_size=8, batching=mode, max_length=cap,
+                        long=long)
+    batching = text.resolve(config, schema)
+    lengths = np.repeat(*np.unique(np.concatenate([
+        np.full(int(c), n) for n, c in enumerate(text.length_counts(schema, "validation"))
+        if c]), return_counts=True))
+    over = lengths[lengths > cap]
+    counted = batching.long_counts["validation"]
+    assert counted["over"] == over.size > 0 and batching.long_counts["train"]["over"] == 0
+    found, widest = _tokens(tfspeed.data.build(long_eval_dir, "validation", 8, batching=mode,
+                                               max_length=cap, long=long))
+    assert widest <= cap
+    real = sum(found.values())
+    total = sum(_reference(long_eval_dir, "validation").values())
+    if long == "split":
+        assert counted["split"] == over.size and counted["pieces"] == sum(-(-over // cap))
+        assert real == total  # every token, in pieces
+    elif long == "truncate":
+        assert counted["truncated_tokens"] == int((over - cap).sum())
+        assert real == total - counted["truncated_tokens"]
+    else:
+        assert counted["skipped"] == over.size and real == total - int(over.sum())
+
+
+def test_a_token_budget_below_one_row_is_refused_in_one_line(long_eval_dir):
+    schema = schema_lib.read(long_eval_dir)
+    config = DataConfig(data_dir=long_eval_dir, batch_size=8, batching="pack",
+                        tokens_per_batch=100, max_length=256)
+    with pytest.raises(UsageError, match=r"--tokens_per_batch=100 holds less than one row of "
+                                         r"256 tokens .* at least 512"):
+        text.resolve(config, schema, replicas=2)
+    bucket = DataConfig(data_dir=long_eval_dir, batch_size=8, batching="bucket",
+                        tokens_per_batch=100)
+    with pytest.raises(UsageError, match="--tokens_per_batch=100 holds less than one row"):
+        text.resolve(bucket, schema)
+
+
+def test_padded_batches_must_split_over_the_replicas(long_eval_dir):
+    config = DataConfig(data_dir=long_eval_dir, batch_size=7, batching="pad")
+    with pytest.raises(UsageError, match="--batch_size=7 does not split evenly over 2"):
+        text.resolve(config, schema_lib.read(long_eval_dir), replicas=2)
