@@ -107,8 +107,7 @@ def _eval_sequences(eval_steps: int, batching) -> int | None:
         return None
     if batching.mode == "pad":
         return eval_steps * batching.batch_size
-    real = batching.tokens_per_batch * (1 - batching.expected_padding.get(batching.mode, 0.0))
-    return max(1, int(eval_steps * real / max(batching.mean_length, 1.0)))
+    return max(1, int(eval_steps * batching.expected_weight("classification")))
 
 
 def device() -> str:

@@ -150,7 +150,8 @@ def _tokens(config, schema, split, training, steps, shuffle, deterministic, num_
         ds = text.batch(ds, batching, training=True, longest=longest,
                         num_pipelines=num_pipelines, local_replicas=replicas // num_pipelines,
                         deterministic=deterministic)
-        return ds.prefetch(AUTOTUNE).with_options(_options(config, deterministic))
+        return ds.prefetch(AUTOTUNE).with_options(_options(config, deterministic)).apply(
+            tf.data.experimental.assert_cardinality(tf.data.INFINITE_CARDINALITY))
     ds = _records(config, schema, split, num_pipelines, pipeline_id, shuffle, deterministic,
                   parse=until != "read")
     if until == "read":
@@ -178,8 +179,10 @@ def _tokens(config, schema, split, training, steps, shuffle, deterministic, num_
                     num_pipelines=num_pipelines, local_replicas=replicas // num_pipelines,
                     deterministic=deterministic)
     ds = ds.prefetch(AUTOTUNE).with_options(_options(config, deterministic))
-    if training or batching.mode != "pad" or longest > batching.max_length:
-        return ds  # endless, or a count only packing or bucketing tells
+    if training:  # endless (packing's rebatch leaves tf.data unsure of it)
+        return ds.apply(tf.data.experimental.assert_cardinality(tf.data.INFINITE_CARDINALITY))
+    if batching.mode != "pad" or longest > batching.max_length:
+        return ds  # a count only packing or bucketing tells
     batches = -(-records // (batching.batch_size // num_pipelines))
     return declare_batches(ds, batches * (replicas // num_pipelines))
 

@@ -80,6 +80,15 @@ class Batching:
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
 
+    def expected_weight(self, task: str) -> float:
+        """What one global batch holds on average: real tokens (lm), or sequences."""
+        if self.mode == "pad":
+            sequences = float(self.batch_size)
+        else:
+            real = self.tokens_per_batch * (1 - self.expected_padding.get(self.mode, 0.0))
+            sequences = real / max(self.mean_length, 1.0)
+        return sequences * self.mean_length if task == "lm" else sequences
+
     def choose(self, mode: str, reason: str, measured: dict | None = None) -> Batching:
         """The same figures batched as ``mode`` (the probe's choice)."""
         return dataclasses.replace(

@@ -75,7 +75,7 @@ def fit(model, train, validation=None, *, epochs: int | None = None,
     """
     import tensorflow as tf
 
-    from tfspeed.training import checkpoints, objectives, report, trainer
+    from tfspeed.training import checkpoints, report, trainer
 
     if not isinstance(train, tf.data.Dataset):
         raise UsageError(f"train must be a tf.data.Dataset of (x, y) batches, got "
@@ -89,30 +89,104 @@ def fit(model, train, validation=None, *, epochs: int | None = None,
                         precision=precision, xla=xla, model_dir=model_dir)
     os.makedirs(config.model_dir, exist_ok=True)
     with locked_model_dir(config.model_dir, "model_dir"):
-        rt = _runtime(strategy, config.runtime, model)
-        batch, per_epoch = _batch_and_epoch(train)
-        built = _build(model, rt, train)
-        sequences = _token_batches(train)
-        task = task or ("classification" if sequences else "regression"
-                        if train.element_spec[1].dtype.is_floating else "classification")
-        goals = objectives.resolve(loss or "", metrics, task, built, sequences=sequences)
-        if task == "classification":
-            _check_classes(built, train, "train")
-        distribute = rt.strategy.experimental_distribute_dataset
-        data = distribute(train.repeat().rebatch(batch, drop_remainder=True))
-        with _label_errors(built):
+        job = _job(model, train, config, strategy, task, loss, metrics)
+        distribute = job.runtime.strategy.experimental_distribute_dataset
+        with _label_errors(job.model):
             result = trainer.fit(
-                built, data, distribute(validation) if validation is not None else None,
-                config.train, rt, steps_per_epoch=per_epoch, eval_steps=None,
-                global_batch_size=batch, model_dir=config.model_dir, objectives=goals,
-                callbacks=callbacks, optimizer=None if isinstance(optimizer, str) else optimizer)
-        out = {**dataclasses.asdict(result), "runtime": rt.to_json(),
-               "objectives": goals.report, "model_dir": config.model_dir,
+                job.model, distribute(job.data),
+                distribute(validation) if validation is not None else None,
+                config.train, job.runtime, steps_per_epoch=job.per_epoch, eval_steps=None,
+                global_batch_size=job.batch, model_dir=config.model_dir,
+                objectives=job.objectives, callbacks=callbacks,
+                optimizer=None if isinstance(optimizer, str) else optimizer,
+                weight_scale=job.weight_scale)
+        out = {**dataclasses.asdict(result), "runtime": job.runtime.to_json(),
+               "objectives": job.objectives.report, "model_dir": config.model_dir,
                "config": config.to_json()}
-        if rt.is_chief:
-            out["saved"] = checkpoints.export_model(built, config.model_dir)
+        if job.runtime.is_chief:
+            out["saved"] = checkpoints.export_model(job.model, config.model_dir)
             report.write(config.model_dir, out)
-    return {**out, "model": built}
+    report.check_evaluation(result.eval_metrics, config.model_dir)
+    return {**out, "model": job.model}
+
+
+@dataclasses.dataclass
+class _FitJob:
+    """What ``tfspeed.fit`` resolved before training: the data as the engine takes it (never
+    rebatched for token batches), the model, objectives and runtime."""
+
+    data: object
+    model: object
+    objectives: object
+    runtime: object
+    batch: int
+    per_epoch: int
+    weight_scale: float | None
+
+
+def _job(model, train, config, strategy, task, loss, metrics) -> _FitJob:
+    """The job of a ``tfspeed.fit`` call, resolved as the driver resolves its own (the
+    same runtime rules, precision probe and XLA choice for static token batches)."""
+    import tensorflow as tf
+
+    from tfspeed import runtime
+    from tfspeed.training import job as job_lib
+    from tfspeed.training import objectives
+
+    rt = _runtime(strategy, config.runtime, model)
+    sequences = _token_batches(train)
+    endless = int(train.cardinality()) == tf.data.INFINITE_CARDINALITY
+    first, batch, per_epoch = _batch_and_epoch(train, config.train)
+    if sequences:  # packed rows have one static shape: XLA compiles them once
+        static = first[0]["tokens"].shape.is_fully_defined() and all(
+            s.shape.is_fully_defined() for s in tf.nest.flatten(train.element_spec))
+        rt = runtime.for_batching(rt, config.runtime, "pack" if static else "bucket")
+    task = task or ("classification" if sequences else "regression"
+                    if train.element_spec[1].dtype.is_floating else "classification")
+    run_steps = config.train.train_steps * config.train.grad_accum_steps or (
+        config.train.epochs * per_epoch)
+    if callable(model) and not isinstance(model, _keras_model()) and \
+            job_lib.precision_to_measure(config, rt):
+        held = iter(rt.strategy.experimental_distribute_dataset(
+            tf.data.Dataset.from_tensors(first).repeat()))
+
+        def engine_for(policy):
+            built = _build(model, rt, first)
+            goals = objectives.resolve(loss or "", metrics, task, built, sequences=sequences)
+            return _probe_engine(built, goals, config, rt, batch, sequences, first)
+
+        rt = job_lib.measure_precision(config, rt, engine_for, held, run_steps)
+    built = _build(model, rt, first)
+    goals = objectives.resolve(loss or "", metrics, task, built, sequences=sequences)
+    if task == "classification":
+        _check_classes(built, first, "train")
+    if sequences:  # as they come: a bucket's batches differ in rows and width
+        data = train if endless else train.repeat()
+    else:
+        data = (train if endless else train.repeat()).rebatch(batch, drop_remainder=True)
+    return _FitJob(data, built, goals, rt, batch, per_epoch,
+                   _first_weight(first) if sequences else None)
+
+
+def _probe_engine(model, goals, config, rt, batch, sequences, first):
+    """An engine for the precision probe of ``tfspeed.fit``."""
+    from tfspeed.training import job as job_lib
+    from tfspeed.training import trainer
+
+    return trainer.make_engine(model, goals, config.train, rt, batch, job_lib.PROBE_UPDATES,
+                               weight_scale=_first_weight(first) if sequences else None)
+
+
+def _first_weight(batch) -> float:
+    """Token batches: the first batch's weight (real tokens, or sequences): the constant
+    each micro-batch's summed loss is divided by, so it keeps a mean's magnitude."""
+    return max(1.0, float(batch[1]["weight"].numpy().sum()))
+
+
+def _keras_model():
+    import keras
+
+    return keras.Model
 
 
 def fit_config(*, model_dir: str | None = None, **given):
@@ -154,13 +228,13 @@ def _token_batches(dataset) -> bool:
     return isinstance(targets, dict) and {"label", "weight"} <= set(targets)
 
 
-def _check_classes(model, dataset, name: str) -> None:
+def _check_classes(model, batch, name: str) -> None:
     """A classifier's outputs cover the first batch's labels: the command line checks the
     model against the schema's classes; here the data's own labels are all there is."""
     import numpy as np
     import tensorflow as tf
 
-    x, y = next(iter(dataset))
+    x, y = batch
     labels = tf.nest.flatten(y)[0]
     outputs = tf.nest.flatten(model(x, training=False))[0]
     if outputs.shape.rank != 2 or outputs.shape[-1] == 1 or not labels.dtype.is_integer:
@@ -215,8 +289,9 @@ def _runtime(strategy, config, model):
     return runtime.Runtime(strategy=strategy, plan=plan)
 
 
-def _batch_and_epoch(train) -> tuple[int, int]:
-    """The global batch (the first batch's size) and the batches in one pass."""
+def _batch_and_epoch(train, config) -> tuple[tuple, int, int]:
+    """The first batch, the global batch (its size) and the batches in one pass (an endless
+    dataset, with ``steps=``: the run's micro-steps)."""
     import tensorflow as tf
 
     first = next(iter(train), None)
@@ -231,16 +306,18 @@ def _batch_and_epoch(train) -> tuple[int, int]:
                          "batch it first: train.batch(N)")
     batch = int(tf.shape(labels)[0])
     count = int(train.cardinality())
-    if count == tf.data.INFINITE_CARDINALITY:
+    if count == tf.data.INFINITE_CARDINALITY and not config.train_steps:
         raise UsageError("train repeats forever: give tfspeed.fit steps= (updates), or a "
                          "finite dataset with epochs=")
+    if config.train_steps and count < 0:  # endless, or of unknown length: steps= bounds it
+        return first, batch, config.train_steps * config.grad_accum_steps
     if count == tf.data.UNKNOWN_CARDINALITY:
         count = int(train.reduce(0, lambda n, _: n + 1))  # one pass to count the batches
-    return batch, max(count, 1)
+    return first, batch, max(count, 1)
 
 
-def _build(model, rt, train):
-    """The model, built (called once on a batch) in the strategy's scope."""
+def _build(model, rt, first):
+    """The model, built (called once on the first batch) in the strategy's scope."""
     import keras
 
     if isinstance(model, keras.Model):
@@ -255,7 +332,6 @@ def _build(model, rt, train):
         raise UsageError("model must be a keras.Model or a function of no arguments that "
                          "builds one")
     if not built.built:
-        x = next(iter(train))[0]
         with rt.strategy.scope():
-            built(x)
+            built(first[0])
     return built

@@ -20,9 +20,9 @@ variable update out of the places where tf.distribute breaks:
   inf/NaN after the all-reduce (so every replica takes the same branch) and skipped if not finite.
 * **Weighted objectives** (token data, ``weighted=True``): the number of real elements (tokens,
   sequences) varies per micro-batch, so a mean of micro-batch means is not the update's mean.
-  Each replica differentiates its *sum* of weighted losses (over the fixed
-  ``global_batch_size``, for magnitude) and adds its weight sum to an ``ON_READ``/``SUM``
-  accumulator; at apply time the gradients are multiplied by ``global_batch_size / W``, W the
+  Each replica differentiates its *sum* of weighted losses (over a fixed ``weight_scale``, an
+  update's expected weight, for magnitude) and adds its weight sum to an ``ON_READ``/``SUM``
+  accumulator; at apply time the gradients are multiplied by ``weight_scale / W``, W the
   weight sum of all K micro-batches on all replicas, and an update with W = 0 is skipped.
   The recipe and its reference are in ``tfspeed.training.transformer``.
 """
@@ -77,6 +77,11 @@ class Engine:
             divided by the sum of the weights over an update (training, with gradients to
             match) or over the dataset (`evaluate`), exactly, however the real elements are
             spread over micro-batches and replicas.
+        weight_scale: weighted: what each replica's summed loss is divided by before the
+            gradient (undone at apply time, so the update stays exact whatever it is): the
+            weight one micro-batch holds over all replicas, e.g. its real tokens for an lm,
+            so the scaled loss keeps a per-token mean's magnitude under a loss scale. None:
+            ``global_batch_size`` (sequences), which for an lm made it ~T times a mean.
     """
 
     def __init__(
@@ -91,6 +96,7 @@ class Engine:
         preprocess: Callable[[tf.Tensor], tf.Tensor] | None = None,
         metrics: dict[str, LossFn] | None = None,
         weighted: bool = False,
+        weight_scale: float | None = None,
     ):
         options = EngineOptions() if options is None else options
         self._preprocess = preprocess or (lambda x: x)
@@ -103,6 +109,7 @@ class Engine:
         self._loss_fn = loss_fn
         self._global_batch_size = global_batch_size
         self.weighted = weighted
+        self._weight_scale = float(weight_scale or global_batch_size)
         self._variables = list(model.trainable_variables)
         with strategy.scope():
             if not optimizer.built:
@@ -239,9 +246,9 @@ class Engine:
             loss_sum, reg, sums, count = self._replica_forward(x, y, training=True)
             if self.weighted:
                 # The regularisation weighted by this micro-batch's weight: times
-                # global_batch_size / W at apply time, the shares add up to it once.
+                # weight_scale / W at apply time, the shares add up to it once.
                 loss_sum = loss_sum + reg * count
-                loss = loss_sum / self._global_batch_size
+                loss = loss_sum / self._weight_scale
             else:
                 # As tf.nn.compute_average_loss / scale_regularization_loss: the SUM over
                 # replicas of these shares is the global mean loss plus the regularisation.
@@ -286,10 +293,9 @@ class Engine:
         return [g * tf.cast(factor, g.dtype) for g in grads]
 
     def _weight_factor(self, weight):
-        """Scaled sums of an update over `global_batch_size` -> its weighted mean's
-        gradients: `global_batch_size / (scale * W)` (0 when W = 0; that update is skipped)."""
-        return tf.math.divide_no_nan(tf.constant(float(self._global_batch_size)),
-                                     self._scale() * weight)
+        """Scaled sums of an update over `weight_scale` -> its weighted mean's gradients:
+        `weight_scale / (scale * W)` (0 when W = 0; that update is skipped)."""
+        return tf.math.divide_no_nan(tf.constant(self._weight_scale), self._scale() * weight)
 
     def _scale(self) -> tf.Tensor:
         return self._state.loss_scale.read_value() if self.options.loss_scale else tf.constant(1.0)

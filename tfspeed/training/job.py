@@ -149,7 +149,7 @@ def _build(config: Config, rt, lock: locks.Lock | None, converted_s: float = 0.0
     # sequences it reads instead (job_input): its batches of similar lengths are not a sample.
     eval_steps = (config.train.eval_steps or None) if batching is None else None
     input_shape = pipeline.input_shape(schema, data)
-    if _precision_to_measure(config, rt):
+    if precision_to_measure(config, rt):
         rt = _measure_precision(config, rt, schema, inputs, input_shape, steps_per_epoch,
                                 batching)
         keras.utils.set_random_seed(data.seed)  # the probe's models drew from the generator
@@ -216,12 +216,22 @@ def resolve_batching(config: Config, rt, schema):
                         rt.num_replicas, attention_length=k)
 
 def build_engine(config: Config, rt, model, goals, preprocess=None,
-                 total_updates: int = PROBE_UPDATES):
-    """The engine for ``model`` with the job's objectives and optimisation settings."""
+                 total_updates: int = PROBE_UPDATES, batching=None):
+    """The engine for ``model`` with the job's objectives and optimisation settings
+    (``batching``: token data's, whose expected weight per batch scales the loss)."""
     from tfspeed.training import trainer
 
     return trainer.make_engine(model, goals, config.train, rt, config.data.batch_size,
-                               total_updates, preprocess)
+                               total_updates, preprocess,
+                               weight_scale=weight_scale(batching, goals))
+
+
+def weight_scale(batching, goals) -> float | None:
+    """Token data: what one micro-batch's summed loss is divided by, its expected weight
+    (real tokens for an lm, sequences for classification); None otherwise."""
+    if batching is None:
+        return None
+    return batching.expected_weight(goals.report.get("task", "classification"))
 
 def engine_at(config: Config, rt, schema, input_shape, preprocess, precision: str,
               xla: bool | None = None, batching=None):
@@ -239,9 +249,9 @@ def engine_at(config: Config, rt, schema, input_shape, preprocess, precision: st
     rt = dataclasses.replace(rt, plan=plan)
     keras.mixed_precision.set_global_policy(precision)
     model, goals = build_model(config, rt, schema, input_shape, batching)
-    return build_engine(config, rt, model, goals, preprocess), rt
+    return build_engine(config, rt, model, goals, preprocess, batching=batching), rt
 
-def _precision_to_measure(config: Config, rt) -> bool:
+def precision_to_measure(config: Config, rt) -> bool:
     """``--precision=measure``, or ``auto`` chose bfloat16 for a CPU: measure whether it
     pays for this model."""
     if config.runtime.precision == "measure":
@@ -249,16 +259,45 @@ def _precision_to_measure(config: Config, rt) -> bool:
     return (config.runtime.precision == "auto" and rt.plan.precision == "mixed_bfloat16"
             and rt.plan.reasons.get("precision", "").startswith("auto: this CPU"))
 
-def _measure_precision(config: Config, rt, schema, inputs, input_shape, steps_per_epoch: int,
-                       batching=None):
+
+def measure_precision(config: Config, rt, engine_for, source, run_steps: int):
     """Times a few steps of the job's model (its loss and metrics too) in float32 and in the
     mixed policy on one real batch; returns the runtime with the faster policy set
-    (``autotune.choose_precision``). Logs each stage: tracing a large model takes a while."""
+    (``autotune.choose_precision``). Logs each stage: tracing a large model takes a while.
+    The driver and ``tfspeed.fit`` both probe through here.
+
+    Args:
+      engine_for: ``policy -> engine``: a fresh model of the job under that policy.
+      source: an in-graph input or an iterator of distributed batches (one held batch).
+      run_steps: the run's micro-steps (the probe takes a bounded share of them).
+    """
     import keras
+
+    from tfspeed.tuning import autotune
+
+    candidate = rt.plan.precision
+    engines = {}
+    for policy in ("float32", candidate):
+        logging.info("precision probe: building and tracing the model in %s", policy)
+        keras.mixed_precision.set_global_policy(policy)
+        engines[policy] = engine_for(policy)
+    timed = autotune.time_steps(engines, source, agree=rt.mean_over_workers,
+                                run_steps=run_steps, progress=logging.info)
+    seconds = {policy: rt.mean_over_workers(t) for policy, t in timed.items()}
+    choice, why = autotune.choose_precision(candidate, seconds, config.runtime.precision)
+    keras.mixed_precision.set_global_policy(choice)
+    logging.info("--precision=%s", why)
+    return dataclasses.replace(rt, plan=dataclasses.replace(
+        rt.plan, precision=choice, loss_scale=choice == "mixed_float16",
+        reasons={**rt.plan.reasons, "precision": why}))
+
+
+def _measure_precision(config: Config, rt, schema, inputs, input_shape, steps_per_epoch: int,
+                       batching=None):
+    """``measure_precision`` for the driver's job: the job's model on a held real batch."""
     import tensorflow as tf
 
     from tfspeed.data import pipeline
-    from tfspeed.tuning import autotune
 
     data = config.data
     if hasattr(inputs.train, "replica_batch"):
@@ -270,23 +309,14 @@ def _measure_precision(config: Config, rt, schema, inputs, input_shape, steps_pe
                                                     schema=schema, batching=batching)))
         source = iter(rt.strategy.experimental_distribute_dataset(
             tf.data.Dataset.from_tensors(held).repeat()))
-    candidate = rt.plan.precision
-    engines = {}
-    for policy in ("float32", candidate):
-        logging.info("precision probe: building and tracing the model in %s", policy)
-        engines[policy], _ = engine_at(config, rt, schema, input_shape, inputs.preprocess,
-                                       policy, batching=batching)
+
+    def engine_for(policy):
+        return engine_at(config, rt, schema, input_shape, inputs.preprocess, policy,
+                         batching=batching)[0]
+
     run_steps = config.train.train_steps * config.train.grad_accum_steps or (
         config.train.epochs * steps_per_epoch)
-    timed = autotune.time_steps(engines, source, agree=rt.mean_over_workers,
-                                run_steps=run_steps, progress=logging.info)
-    seconds = {policy: rt.mean_over_workers(t) for policy, t in timed.items()}
-    choice, why = autotune.choose_precision(candidate, seconds, config.runtime.precision)
-    keras.mixed_precision.set_global_policy(choice)
-    logging.info("--precision=%s", why)
-    return dataclasses.replace(rt, plan=dataclasses.replace(
-        rt.plan, precision=choice, loss_scale=choice == "mixed_float16",
-        reasons={**rt.plan.reasons, "precision": why}))
+    return measure_precision(config, rt, engine_for, source, run_steps)
 
 @contextlib.contextmanager
 def data_errors(data_dir: str):

@@ -2,10 +2,30 @@
 
 from __future__ import annotations
 
+import math
 import os
 
+from tfspeed.errors import UsageError
 from tfspeed.util import system
 from tfspeed.util.files import write_json_atomic
+
+
+class EvaluationDiverged(UsageError):
+    """The evaluation loss is NaN/Inf though training's stayed finite; the report and the
+    weights are written before it is raised, so nothing of the run is lost."""
+
+
+def check_evaluation(eval_metrics: dict, model_dir: str) -> None:
+    """Raises ``EvaluationDiverged`` if the evaluation loss is not finite: a run whose model
+    cannot be evaluated never ends as a success (exit status 0)."""
+    loss = (eval_metrics or {}).get("loss")
+    if loss is None or math.isfinite(loss):
+        return
+    raise EvaluationDiverged(
+        f"the evaluation loss is {'NaN' if loss != loss else 'Inf'} although training's stayed "
+        f"finite; report.json and the weights are in {model_dir}. Look for rows the model "
+        "divides by zero (a mask over every token of a sequence: Embedding(mask_zero=True) "
+        "treats id 0 as padding) or a layer that behaves otherwise in inference")
 
 
 def write(model_dir: str, report: dict) -> str:

@@ -8,7 +8,7 @@ serialises).
 from __future__ import annotations
 
 from tfspeed.config import Config
-from tfspeed.training.job import Job, data_errors, prepare
+from tfspeed.training.job import Job, data_errors, prepare, weight_scale
 from tfspeed.util import system
 
 
@@ -45,6 +45,7 @@ def _train_and_report(job: Job) -> dict:
             model_dir=config.model_dir,
             preprocess=job.preprocess,
             objectives=job.objectives,
+            weight_scale=weight_scale(job.batching, job.objectives),
         )
     data_cache.seal_built()  # caches this run finished: the next run checks their checksums
     weights = weights_sha256(model)
@@ -92,6 +93,7 @@ def _train_and_report(job: Job) -> dict:
             print(line)
         print(f"profile: tensorboard --logdir={config.model_dir}/logs (Profile tab)")
     print(f"report: {path}")
+    report.check_evaluation(out["eval_metrics"], config.model_dir)
     return out
 
 def weights_sha256(model) -> str:

@@ -92,7 +92,7 @@ class FitResult:
 
 def make_engine(model: keras.Model, objectives, config: TrainConfig, runtime: Runtime,
                 global_batch_size: int, total_updates: int, preprocess=None,
-                optimizer=None) -> Engine:
+                optimizer=None, weight_scale: float | None = None) -> Engine:
     """The engine that runs the training step: optimizer, accumulation, XLA, loss scaling.
 
     Args:
@@ -105,6 +105,8 @@ def make_engine(model: keras.Model, objectives, config: TrainConfig, runtime: Ru
       total_updates: the schedule's length in optimizer updates.
       preprocess: ``x -> x`` on each batch's inputs inside the compiled step.
       optimizer: a Keras optimizer made in the strategy's scope, instead of ``config``'s.
+      weight_scale: token data: one micro-batch's expected weight (real tokens for an lm,
+        sequences for classification), the constant its summed loss is divided by.
 
     Returns:
       The ``Engine``.
@@ -122,7 +124,7 @@ def make_engine(model: keras.Model, objectives, config: TrainConfig, runtime: Ru
                           xla=runtime.xla, loss_scale=runtime.plan.loss_scale),
             global_batch_size=global_batch_size, preprocess=preprocess,
             metrics=objectives.metrics,
-            weighted=getattr(objectives, "weighted", False),
+            weighted=getattr(objectives, "weighted", False), weight_scale=weight_scale,
         )
     engine.objectives = objectives  # what it trains on, for the reports of probes
     return engine
@@ -143,6 +145,7 @@ def fit(
     preprocess=None,
     callbacks=(),
     optimizer=None,
+    weight_scale: float | None = None,
 ) -> FitResult:
     """Trains ``model`` on ``train_data`` and evaluates it on ``eval_data``.
 
@@ -162,6 +165,7 @@ def fit(
         ``on_epoch_end(epoch, logs)`` with the last logged training metrics.
       optimizer: a Keras optimizer made in the strategy's scope, instead of the one
         ``config`` describes.
+      weight_scale: token data: one micro-batch's expected weight (``make_engine``).
 
     Returns:
       A ``FitResult``.
@@ -173,7 +177,7 @@ def fit(
                          f"{global_batch_size * k} examples, more than the train split holds; "
                          "lower them")
     engine = make_engine(model, objectives, config, runtime, global_batch_size, total_updates,
-                         preprocess, optimizer)
+                         preprocess, optimizer, weight_scale)
     with _worker_dir(model_dir, None if runtime.is_chief else runtime.worker_index) as write_dir:
         return _fit(engine, train_data, eval_data, config, runtime, steps_per_epoch,
                     eval_steps, global_batch_size, model_dir, write_dir, total_updates,

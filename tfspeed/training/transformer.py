@@ -192,12 +192,17 @@ def _check_arguments(vocab_size, num_outputs, task, width, heads, max_length, ma
 # ------------------------------------------------------------------ losses and metrics
 def _aligned(targets: dict, logits) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
     """Labels, float32 weights and float32 logits of matching leading shape. Classification
-    logits have ``max_segments`` columns; the labels' S (<= it) decides. Labels under weight
-    0 (padding, absent sequences) may be anything: they become 0 so the loss stays finite."""
+    logits have ``max_segments`` columns; the labels' S (<= it) decides. Labels and logits
+    under weight 0 (padding, absent sequences, the empty rows that fill a last evaluation
+    batch) may be anything, NaN included: they become 0, so the loss stays finite. (A Keras
+    model that masks padding, ``Embedding(mask_zero=True)``, and averages over the tokens
+    of a row gives 0 / 0 for a row with none.)"""
     weight = tf.cast(targets["weight"], tf.float32)
     label = tf.cast(targets["label"], tf.int32)
     logits = tf.cast(logits[:, : tf.shape(label)[1]], tf.float32)
-    return tf.where(weight > 0, label, tf.zeros_like(label)), weight, logits
+    real = weight > 0
+    logits = tf.where(real[..., None], logits, tf.zeros_like(logits))
+    return tf.where(real, label, tf.zeros_like(label)), weight, logits
 
 
 def weighted_sparse_ce(targets: dict, logits) -> tf.Tensor:
