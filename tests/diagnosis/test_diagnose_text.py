@@ -1,4 +1,5 @@
-"""tfspeed.diagnose on token records: the padding the job computes, and the batching to try."""
+"""tfspeed.diagnose on token records: the padding the job computes, the batching to try, and
+a verdict that follows from the figures."""
 
 import json
 import subprocess
@@ -59,3 +60,15 @@ def test_packed_batches_have_little_padding_and_no_batching_advice(stdlib_corpus
     assert written["padding_fraction"] < 0.05, written["tokens"]
     assert written["batching"]["mode"] == "pack"
     assert not [s for s in written["next_steps"] if "--batching=" in s["advice"]]
+    # The transformer's step is far heavier than its input, and the verdict says so; the
+    # profile of that step (xprof's wait) once counted the one-step function's first
+    # trace and called it input-bound.
+    assert written["verdict"] == "compute-bound", written["why"]
+    ms = written["ms_per_batch"]
+    assert ms["compute_alone"] > 10 * ms["input_alone"], ms
+    assert written["profile"]["input_wait_pct"] < 20, written["profile"]
+    # Model alone and together count the sequences of the batches they trained on: a
+    # step's sequences at the step's rate (one held batch's count once stood for all).
+    per_step = {k: written["examples_per_sec"][k] * ms[k] / 1000
+                for k in ("compute_alone", "together")}
+    assert 0.5 < per_step["compute_alone"] / per_step["together"] < 2, per_step
