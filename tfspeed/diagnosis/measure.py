@@ -10,6 +10,8 @@ Same flags as ``tfspeed.train``. After a warm-up, it measures for a bounded numb
   (d) a profile of (c), read with xprof,
 plus the time each pipeline stage adds and peak memory. Each is also given in ms per batch
 (per step): sequences/s of token batches count a different number of sequences per batch.
+Each measurement stops after its steps or ``Options.seconds``, whichever comes first (a
+padded batch of long texts can take seconds per step), and logs what it starts and finds.
 From the figures ``advice`` gives a verdict — input-bound, compute-bound or memory-bound —
 and next steps ranked by expected gain.
 """
@@ -21,16 +23,31 @@ import os
 import statistics
 import time
 
+from absl import logging
+
+from tfspeed.errors import UsageError
 from tfspeed.runtime import hostmem
+
+# Token batches the model alone cycles through: enough to sample the shapes and the
+# sequences per batch that vary from batch to batch (the default --diagnose_steps times 40).
+HELD_BATCHES = 40
 
 
 @dataclasses.dataclass(frozen=True)
 class Options:
-    """How long each measurement runs (in training steps, after ``warmup`` steps)."""
+    """How long each measurement runs: ``steps`` training steps after ``warmup`` steps, each
+    part cut short once it has run ``seconds`` (it runs at least one step)."""
 
     steps: int = 40
     warmup: int = 10
     profile_steps: int = 10
+    seconds: float = 10.0
+
+    def validate(self) -> Options:
+        if self.steps < 1 or self.warmup < 0 or self.profile_steps < 1 or self.seconds <= 0:
+            raise UsageError(f"--diagnose_steps={self.steps} must be >= 1, --diagnose_warmup="
+                             f"{self.warmup} >= 0 and --diagnose_seconds={self.seconds} > 0")
+        return self
 
 def measure(job, options: Options, out_dir: str) -> dict:
     """Runs (a)-(d) and the per-stage timing; returns the figures."""
@@ -42,6 +59,7 @@ def measure(job, options: Options, out_dir: str) -> dict:
     local = pipeline.build_from_config(job.train_data_config, config.data.train_split,
                                        training=True, schema=job.schema)
     warmup = options.warmup + min(job.steps_per_epoch, 200)  # fill an in-memory cache
+    _say("input alone: up to %d batches after %d to warm up", options.steps, warmup)
     if in_step:  # what the job runs: batches gathered inside the step, no tf.data per step
         input_timing = _time_in_step_gather(job, options)
         held = [next(iter(local))]
@@ -51,8 +69,12 @@ def measure(job, options: Options, out_dir: str) -> dict:
         input_timing = _time_iterator(iter(local), options, warmup)
         held = [next(iter(local))]
     per_batch = (statistics.fmean(_sequences(x) for x, _ in held) if batching else batch)
+    _say("input alone: %.1f ms per batch (%d batches)", 1000 / input_timing.rate,
+         input_timing.steps)
     engine, alone, together = _time_model(job, held, options)
-    profile = _profile(engine, _batches(job), options.profile_steps, out_dir)
+    # As many steps as fit the time limit at the step time just measured (at least 2).
+    profile_steps = min(options.profile_steps, max(int(options.seconds * together.rate), 2))
+    profile = _profile(engine, _batches(job), profile_steps, out_dir)
     if in_step:
         # xprof's input analysis reads tf.data iterators; a step that gathers its own batch
         # has none, and xprof then says it cannot tell. The step's own timing can.
@@ -79,7 +101,7 @@ def measure(job, options: Options, out_dir: str) -> dict:
                          "compute_alone": 1000 / alone.rate, "together": 1000 / together.rate},
         "input_wait_pct": together.wait_pct,
         "steps_timed": {"input_alone": input_timing.steps, "compute_alone": alone.steps,
-                        "together": together.steps, "profile": options.profile_steps},
+                        "together": together.steps, "profile": profile_steps},
         "host_cpus": os.cpu_count() or 1,
         "stages_ms_per_batch": stages,
         "profile": profile,
@@ -96,7 +118,8 @@ def measure(job, options: Options, out_dir: str) -> dict:
                          "max_length": batching["max_length"]} if batching else {}),
                      "data_service": config.data.data_service or None,
                      "steps_per_execution":
-                         config.train.steps_per_execution, "steps": options.steps},
+                         config.train.steps_per_execution, "steps": options.steps,
+                     "seconds": options.seconds},
     }
 
 
@@ -118,6 +141,21 @@ class Timing:
         return self.rate * batch
 
 
+def _say(message: str, *args) -> None:
+    logging.info("diagnose: " + message, *args)
+
+
+def _bounded(fn, count: int, seconds: float) -> int:
+    """Calls ``fn`` up to ``count`` times, stopping once ``seconds`` have passed (after at
+    least one call, if ``count`` > 0); returns the calls made."""
+    start = time.perf_counter()
+    for done in range(1, count + 1):
+        fn()
+        if time.perf_counter() - start > seconds:
+            return done
+    return count
+
+
 def _time_model(job, held: list, options: Options) -> tuple:
     """(b) and (c): the engine, and its Timing alone on ``held`` and on the job's input."""
     import tensorflow as tf
@@ -132,9 +170,15 @@ def _time_model(job, held: list, options: Options) -> tuple:
     synthetic = tf.data.Dataset.choose_from_datasets(
         [tf.data.Dataset.from_tensors(b).repeat() for b in held],
         tf.data.Dataset.range(len(held)).repeat())
+    _say("model alone: the step on %d batch(es) held in memory (the first calls trace it)",
+         len(held))
     alone = _time_engine(engine, iter(job.runtime.strategy.experimental_distribute_dataset(
         synthetic)), options)
+    _say("model alone: %.1f ms per step (%d steps)", 1000 / alone.rate, alone.steps)
+    _say("together: the step on the job's input")
     together = _time_engine(engine, _batches(job), options)
+    _say("together: %.1f ms per step (%d steps), %.0f%% waiting for input",
+         1000 / together.rate, together.steps, together.wait_pct)
     return engine, alone, together
 
 
@@ -162,24 +206,26 @@ def _time_in_step_gather(job, options: Options) -> Timing:
 
 def _time_iterator(iterator, options: Options, warmup: int) -> Timing:
     """Batches per second pulled from ``iterator`` after ``warmup`` batches."""
-    for _ in range(warmup):
-        next(iterator)
+    _bounded(lambda: next(iterator), warmup, options.seconds)
     start = time.perf_counter()
-    for _ in range(options.steps):
-        next(iterator)
-    return Timing(options.steps / (time.perf_counter() - start), options.steps)
+    steps = _bounded(lambda: next(iterator), options.steps, options.seconds)
+    return Timing(steps / (time.perf_counter() - start), steps)
 
 
 def _time_token_iterator(iterator, options: Options, warmup: int) -> tuple[Timing, list]:
-    """Batches per second pulled from a token pipeline, and the batches pulled (their
-    sequences are counted after the clock stops: the count is no part of the input's cost)."""
-    for _ in range(warmup):
-        next(iterator)
+    """Batches per second pulled from a token pipeline, and the first ``HELD_BATCHES`` of
+    them (their sequences are counted after the clock stops: no part of the input's cost)."""
+    _bounded(lambda: next(iterator), warmup, options.seconds)
     pulled = []
+
+    def pull():
+        batch = next(iterator)
+        if len(pulled) < HELD_BATCHES:
+            pulled.append(batch)
+
     start = time.perf_counter()
-    for _ in range(options.steps):
-        pulled.append(next(iterator))
-    return Timing(options.steps / (time.perf_counter() - start), options.steps), pulled
+    steps = _bounded(pull, options.steps, options.seconds)
+    return Timing(steps / (time.perf_counter() - start), steps), pulled
 
 
 def _sequences(inputs) -> int:
@@ -210,12 +256,13 @@ def _time_engine(engine, iterator, options: Options) -> Timing:
     """The real training step on ``iterator``: steps/s, % of time waiting for input, and the
     token counts of the timed steps."""
     n = max(engine.options.steps_per_execution, 1)
-    for _ in range(max(options.warmup // n, 1)):
-        engine.train(iterator, n)["loss"].numpy()
-    executions = max(options.steps // n, 1)
+    # Each call waits for its result, so the clock (and the time limit) sees whole steps.
+    _bounded(lambda: engine.train(iterator, n)["loss"].numpy(), max(options.warmup // n, 1),
+             options.seconds)
+    outs = []
     start = time.perf_counter()
-    outs = [engine.train(iterator, n) for _ in range(executions)]
-    outs[-1]["loss"].numpy()
+    executions = _bounded(lambda: outs.append(_finished(engine.train(iterator, n))),
+                          max(options.steps // n, 1), options.seconds)
     seconds = time.perf_counter() - start
     waited = sum(float(out["input_wait_s"]) for out in outs)
     tokens = {name: sum(int(out[name]) for out in outs)
@@ -224,10 +271,16 @@ def _time_engine(engine, iterator, options: Options) -> Timing:
                   100 * min(waited / seconds, 1.0), {**tokens, "seconds": seconds})
 
 
+def _finished(out: dict) -> dict:
+    out["loss"].numpy()
+    return out
+
+
 def _profile(engine, iterator, steps: int, out_dir: str) -> dict:
     """(d): a profile of ``steps`` steps, each in its own call, read with xprof."""
     from tfspeed.diagnosis import profiling
 
+    _say("profile: %d steps, each in its own call", steps)
     # The first call of the one-step function traces it (and under XLA compiles it): made
     # here, outside the capture, or its seconds count as step time and input wait (xprof
     # once called a packed transformer's step 21% input-bound for it).
@@ -240,6 +293,7 @@ def _profile(engine, iterator, steps: int, out_dir: str) -> dict:
             engine.train_one(iterator)
         window.after(step + 1)
     window.stop()
+    _say("profile: %s", window.summary.get("conclusion") or "no step analysis")
     return window.summary
 
 
@@ -255,6 +309,7 @@ def _stage_times(job, options: Options) -> dict[str, float]:
     config, batch = job.train_data_config, job.config.data.batch_size
     times, previous = {}, 0.0
     for stage in pipeline.STAGES:
+        _say("stages: the pipeline up to %s", stage)
         ds = pipeline.build_from_config(config, config.train_split, training=True,
                                         schema=job.schema, until=stage)
         if stage != "batch":
