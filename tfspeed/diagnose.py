@@ -18,7 +18,7 @@ from tfspeed.config import flags as tfspeed_flags
 from tfspeed.diagnosis.measure import Options
 from tfspeed.diagnosis.run import run
 from tfspeed.errors import UsageError
-from tfspeed.util.cli import main_entry
+from tfspeed.util.cli import exit_on_help, flags_usage, main_entry
 
 __all__ = ["Options", "main", "run", "run_main"]
 
@@ -38,7 +38,13 @@ def main(argv: list[str]) -> None:
     run(config, options)
 
 
+def _usage() -> str:
+    return flags_usage(__doc__, {**tfspeed_flags.help_groups(),
+                                 "diagnose": [_STEPS, _WARMUP, _SECONDS]})
+
+
 def run_main() -> None:
+    exit_on_help(_usage)
     main_entry(lambda: app.run(main, flags_parser=tfspeed_flags.parse))
 
 

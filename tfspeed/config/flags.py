@@ -42,6 +42,13 @@ _FLAGS = {section: {field.name: _define(field) for field in dataclasses.fields(c
 _MODEL_DIR = _define(next(f for f in dataclasses.fields(Config) if f.name == "model_dir"))
 
 
+def help_groups() -> dict[str, list[flags.FlagHolder]]:
+    """The experiment's flags by concern, as ``--help`` lists them (``tfspeed.util.cli``)."""
+    groups = {section: list(holders.values()) for section, holders in _FLAGS.items()}
+    groups["train"].append(_MODEL_DIR)
+    return groups
+
+
 def parse(argv: list[str]) -> list[str]:
     """Parses ``argv`` into the flags; a flag error becomes one line and exit status 2."""
     try:
