@@ -32,6 +32,12 @@ def big_photos_dir(tmp_path_factory) -> str:
     return str(out)
 
 
+def _figures(examples_per_sec: dict, batch: int = 16, **rest) -> dict:
+    """Figures as ``measure`` writes them for batches of ``batch`` examples on 2 cores."""
+    ms = {k: 1000 * batch / v for k, v in examples_per_sec.items()}
+    return {"examples_per_sec": examples_per_sec, "ms_per_batch": ms, "host_cpus": 2, **rest}
+
+
 def _config(data_dir, model_dir, data=None, model=None):
     return Config(
         data=DataConfig(data_dir=data_dir, batch_size=16, eval_split="", **(data or {})),
@@ -84,17 +90,40 @@ def test_shared_cpu_is_called_input_bound(digits_dir):
     from tfspeed.runtime import Hardware, resolve
 
     config = _config(digits_dir, "/tmp/unused", data={"cache": "none"})
-    figures = {
-        "examples_per_sec": {"input_alone": 1965.0, "compute_alone": 1910.0, "together": 949.0},
-        "input_wait_pct": 1.0, "profile": {"input_wait_pct": 0.1},
-        "stages_ms_per_batch": {"read": 1.2, "decode": 25.8, "augment": 5.4},
-        "memory": {"peak_host_rss_mb": 1000.0, "host_total_mb": 24_000.0},
-    }
+    figures = _figures(
+        {"input_alone": 1965.0, "compute_alone": 1910.0, "together": 949.0},
+        input_wait_pct=1.0, profile={"input_wait_pct": 0.1},
+        stages_ms_per_batch={"read": 1.2, "decode": 25.8, "augment": 5.4},
+        memory={"peak_host_rss_mb": 1000.0, "host_total_mb": 24_000.0})
     result = advice.decide(config, schema_lib.read(digits_dir),
                            resolve(config.runtime, Hardware()), figures)
     assert (result["verdict"], result["severity"]) == ("input-bound", "by sharing the CPU")
     assert "--cache=memory" in result["next_steps"][0]["advice"]
     assert result["next_steps"][0]["expected_gain"].startswith("up to 2.0x")
+
+
+def test_a_step_far_heavier_than_its_input_is_not_input_bound(digits_dir):
+    """The text job's figures (transformer, packed rows of 512 tokens): 2.6 ms of input per
+    batch, 500 ms per step alone, 530 with its input. Sequences per batch vary (24 to 79
+    here), so sequences/s of one held batch against those of the batches trained on once
+    read as "together at half the model's rate": INPUT-BOUND (by sharing the CPU). A 2.6 ms
+    pipeline cannot take 30 ms, let alone 250, from a step on 2 cores."""
+    from tfspeed.data import schema as schema_lib
+    from tfspeed.runtime import Hardware, resolve
+
+    config = _config(digits_dir, "/tmp/unused", data={"cache": "none"})
+    figures = {
+        "unit": "sequences", "host_cpus": 2,
+        "examples_per_sec": {"input_alone": 10_800.0, "compute_alone": 102.0, "together": 53.0},
+        "ms_per_batch": {"input_alone": 2.6, "compute_alone": 500.0, "together": 530.0},
+        "input_wait_pct": 0.4, "profile": {"input_wait_pct": 0.2},
+        "stages_ms_per_batch": {"read+batch": 2.6},
+        "memory": {"peak_host_rss_mb": 1500.0, "host_total_mb": 24_000.0},
+    }
+    result = advice.decide(config, schema_lib.read(digits_dir),
+                           resolve(config.runtime, Hardware()), figures)
+    assert result["verdict"] == "compute-bound", result["why"]
+    assert "530" in result["why"] and "2.6 ms" in result["why"], result["why"]
 
 
 def test_malloc_host_allocator_is_named_with_its_fix(digits_dir):
@@ -104,12 +133,10 @@ def test_malloc_host_allocator_is_named_with_its_fix(digits_dir):
     from tfspeed.runtime import Hardware, resolve
 
     config = _config(digits_dir, "/tmp/unused", data={"cache": "none"})
-    figures = {
-        "examples_per_sec": {"input_alone": 500.0, "compute_alone": 2000.0, "together": 480.0},
-        "input_wait_pct": 70.0, "profile": {},
-        "stages_ms_per_batch": {"read": 1.0, "decode": 4.0},
-        "memory": {"peak_host_rss_mb": 1000.0, "host_total_mb": 24_000.0},
-    }
+    figures = _figures(
+        {"input_alone": 500.0, "compute_alone": 2000.0, "together": 480.0},
+        input_wait_pct=70.0, profile={}, stages_ms_per_batch={"read": 1.0, "decode": 4.0},
+        memory={"peak_host_rss_mb": 1000.0, "host_total_mb": 24_000.0})
     plan = resolve(config.runtime, Hardware())
     pooled = advice.decide(config, schema_lib.read(digits_dir), plan, figures)
     assert not any("TF_CPU_ALLOCATOR_USE_BFC" in s["advice"] for s in pooled["next_steps"])
@@ -126,11 +153,10 @@ def test_memory_verdict_and_its_advice(digits_dir):
     from tfspeed.runtime import Hardware, resolve
 
     config = _config(digits_dir, "/tmp/unused")
-    figures = {
-        "examples_per_sec": {"input_alone": 5000.0, "compute_alone": 1000.0, "together": 990.0},
-        "input_wait_pct": 1.0, "profile": {}, "stages_ms_per_batch": {"read": 1.0},
-        "memory": {"peak_host_rss_mb": 23_000.0, "host_total_mb": 24_000.0},
-    }
+    figures = _figures(
+        {"input_alone": 5000.0, "compute_alone": 1000.0, "together": 990.0},
+        input_wait_pct=1.0, profile={}, stages_ms_per_batch={"read": 1.0},
+        memory={"peak_host_rss_mb": 23_000.0, "host_total_mb": 24_000.0})
     plan = resolve(config.runtime, Hardware())
     result = advice.decide(config, schema_lib.read(digits_dir), plan, figures)
     assert result["verdict"] == "memory-bound"

@@ -21,7 +21,7 @@ import time
 from absl import app, flags, logging
 
 from tfspeed.errors import UsageError, exit_on_usage_error
-from tfspeed.util.cli import free_ports, main_entry
+from tfspeed.util.cli import exit_on_help, flags_usage, free_ports, main_entry
 
 COMMANDS = ("dispatcher", "worker")
 
@@ -149,6 +149,9 @@ def supervise(dispatcher_address: str, port: int, host: str) -> None:
 
 
 def run_main() -> None:
+    exit_on_help(lambda: flags_usage(__doc__, {
+        "dispatcher": [_PORT, _WORK_DIR, _WORKER_ADDRESSES, _WORKER_TIMEOUT_MS],
+        "worker": [_DISPATCHER, _HOST, _SUPERVISE]}))
     if "worker" in sys.argv[1:2] and "--nosupervise" not in sys.argv:
         # The supervisor only starts and watches the server process: no TensorFlow here
         # (saves seconds and memory per worker host).

@@ -1,34 +1,52 @@
 """``python -m tfspeed.diagnose --flagfile=...``: where does the time go, and what to try next.
 
-A command only: flags -> ``tfspeed.diagnosis.run.run(config, options)``.
+Takes the same flags as ``python -m tfspeed.train``. It times the input alone, the model's step
+alone, both together and a profiler capture, each for --diagnose_steps steps or
+--diagnose_seconds, whichever ends first; gives a verdict (input-, compute- or memory-bound)
+with next steps ranked by expected gain; writes MODEL_DIR/diagnose/diagnose.json and
+diagnose.png.
 
-Same flags as ``tfspeed.train``; what it measures and how: ``tfspeed.diagnosis.measure``.
-Writes ``MODEL_DIR/diagnose/diagnose.json`` and ``diagnose.png``.
+A command only: flags -> ``tfspeed.diagnosis.run.run(config, options)``; what it measures and
+how: ``tfspeed.diagnosis.measure``.
 """
 
 from __future__ import annotations
 
-from absl import app, logging
+from absl import app, flags
 
 from tfspeed.config import flags as tfspeed_flags
 from tfspeed.diagnosis.measure import Options
 from tfspeed.diagnosis.run import run
 from tfspeed.errors import UsageError
-from tfspeed.util.cli import main_entry
+from tfspeed.util.cli import exit_on_help, flags_usage, main_entry
 
 __all__ = ["Options", "main", "run", "run_main"]
+
+_STEPS = flags.DEFINE_integer("diagnose_steps", Options.steps, "Steps timed per measurement.")
+_WARMUP = flags.DEFINE_integer("diagnose_warmup", Options.warmup, "Untimed steps before each.")
+_SECONDS = flags.DEFINE_float(
+    "diagnose_seconds", Options.seconds, "Each measurement's warm-up, and its timed steps, "
+    "stop after this many seconds even short of their steps (one step at least).")
 
 
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise UsageError(f"unexpected arguments {argv[1:]}: every option is a --flag")
     config = tfspeed_flags.to_config()
-    steps, warmup = tfspeed_flags.diagnose_options()
-    run(config, Options(steps=steps, warmup=warmup))
+    options = Options(steps=_STEPS.value, warmup=_WARMUP.value,
+                      seconds=_SECONDS.value).validate()
+    run(config, options)
+
+
+def _usage() -> str:
+    return flags_usage(__doc__, {**tfspeed_flags.help_groups(),
+                                 "diagnose": [_STEPS, _WARMUP, _SECONDS]})
+
 
 def run_main() -> None:
+    exit_on_help(_usage)
     main_entry(lambda: app.run(main, flags_parser=tfspeed_flags.parse))
 
+
 if __name__ == "__main__":
-    logging.set_verbosity(logging.WARNING)
     run_main()

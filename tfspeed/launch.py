@@ -25,7 +25,7 @@ import time
 from absl import app, flags
 
 from tfspeed.errors import UsageError, exit_on_usage_error
-from tfspeed.util.cli import free_ports
+from tfspeed.util.cli import exit_on_help, flags_usage, free_ports
 
 _WORKERS = flags.DEFINE_integer("workers", 2, "Worker processes to start.")
 _MAX_RESTARTS = flags.DEFINE_integer(
@@ -128,6 +128,8 @@ def main(argv: list[str]) -> int:
 
 
 def run_main() -> None:
+    exit_on_help(lambda: flags_usage(
+        __doc__, {"launch": [_WORKERS, _MAX_RESTARTS, _MODULE, _HOST]}))
     sys.exit(exit_on_usage_error(lambda: app.run(main)))
 
 

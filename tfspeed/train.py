@@ -1,5 +1,8 @@
 """The training driver: ``python -m tfspeed.train --flagfile=pipelines/digits.flags``.
 
+Trains the model on a dataset converted by scripts/to_tfrecord.py and writes checkpoints, the
+model and report.json into --model_dir.
+
 A command only: parse the flags into a ``Config``, then one library call,
 ``tfspeed.training.run.run(config)``.
 """
@@ -13,7 +16,7 @@ from absl import app
 from tfspeed.config import flags as tfspeed_flags
 from tfspeed.errors import UsageError
 from tfspeed.training.run import run
-from tfspeed.util.cli import main_entry
+from tfspeed.util.cli import exit_on_help, flags_usage, main_entry
 
 __all__ = ["main", "run", "run_main"]
 
@@ -33,6 +36,7 @@ def main(argv: list[str]) -> None:
 
 def run_main() -> None:
     """Console entry point: one-line errors with exit status 2 for user mistakes."""
+    exit_on_help(lambda: flags_usage(__doc__, tfspeed_flags.help_groups()))
     main_entry(lambda: app.run(main, flags_parser=tfspeed_flags.parse))
 
 

@@ -12,7 +12,7 @@ from absl import app, flags, logging
 from tfspeed.config import flags as tfspeed_flags
 from tfspeed.errors import UsageError
 from tfspeed.tuning.tune import TuneOptions, run_command
-from tfspeed.util.cli import main_entry
+from tfspeed.util.cli import exit_on_help, flags_usage, main_entry
 
 _BUDGET_S = flags.DEFINE_float("budget_s", TuneOptions.budget_s,
                                "Seconds the whole tune may take.")
@@ -43,8 +43,15 @@ def _parse(argv: list[str]) -> list[str]:
     return tfspeed_flags.parse(argv)
 
 
+def _usage() -> str:
+    # --measure_to and --deadline are the tune's own (its measuring child): not listed.
+    return flags_usage(__doc__, {**tfspeed_flags.help_groups(),
+                                 "tune": [_BUDGET_S, _TUNE_DIR, _VERIFY]})
+
+
 def run_main() -> None:
     """Console entry point: one-line errors with exit status 2 for user mistakes."""
+    exit_on_help(_usage)
     main_entry(lambda: app.run(main, flags_parser=_parse))
 
 

@@ -20,16 +20,12 @@ import json
 import os
 import sys
 
-from tfspeed.util.cli import main_entry
-from tfspeed.util.system import import_tensorflow_quietly
-
-if __name__ == "__main__":
-    import_tensorflow_quietly()  # tfspeed.data imports TF: keep its start-up banner off stderr
-
-from tfspeed.data import integrity  # noqa: E402
-from tfspeed.data import schema as schema_lib  # noqa: E402
-from tfspeed.errors import UsageError  # noqa: E402
-from tfspeed.util.files import write_bytes_atomic  # noqa: E402
+# None of these imports TensorFlow (--help prints at once); main_entry imports it quietly.
+from tfspeed.data import integrity
+from tfspeed.data import schema as schema_lib
+from tfspeed.errors import UsageError
+from tfspeed.util.cli import exit_on_help, main_entry
+from tfspeed.util.files import write_bytes_atomic
 
 QUARANTINE_DIR = "quarantine"
 _PARSE_BATCH = 256
@@ -226,16 +222,31 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{message}; usage: python -m tfspeed.verify DATA_DIR [--repair]")
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``python -m tfspeed.verify DATA_DIR [--repair]``; returns the exit status."""
-    parser = _Parser(prog="python -m tfspeed.verify", description=__doc__.split("\n")[0])
+def _parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="python -m tfspeed.verify", description=__doc__,
+                     formatter_class=_HelpFormatter)
     parser.add_argument("data_dir", help="a directory written by scripts/to_tfrecord.py")
     parser.add_argument(
         "--repair", action="store_true", help="rewrite damaged shards with their intact records"
     )
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    return parser
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter,
+                     argparse.ArgumentDefaultsHelpFormatter):
+    """The module's docstring as written, and each option's default."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m tfspeed.verify DATA_DIR [--repair]``; returns the exit status."""
+    args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
     return verify(args.data_dir, repair=args.repair)
 
 
-if __name__ == "__main__":
+def run_main() -> None:
+    exit_on_help(lambda: _parser().format_help())
     main_entry(main)
+
+
+if __name__ == "__main__":
+    run_main()

@@ -1,6 +1,8 @@
-"""tfspeed.diagnose on token records: the padding the job computes, and the batching to try."""
+"""tfspeed.diagnose on token records: the padding the job computes, the batching to try, and
+a verdict that follows from the figures."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -12,6 +14,9 @@ from tfspeed.config import Config, DataConfig, ModelConfig, RuntimeConfig, Train
 
 QUICK = diagnose.Options(steps=12, warmup=3, profile_steps=4)
 TINY = {"name": "transformer", "width": 16, "depth": 1, "heads": 2}
+# Far more steps than --diagnose_seconds lets each measurement run: only the time limit ends
+# them (padded batches of long texts once kept diagnose silent for 400 s).
+UNBOUNDED_STEPS = 100_000
 
 
 @pytest.fixture(scope="module")
@@ -27,6 +32,23 @@ def stdlib_corpus(tmp_path_factory) -> str:
     return str(out)
 
 
+@pytest.fixture(scope="module")
+def padded(stdlib_corpus, tmp_path_factory):
+    """``python -m tfspeed.diagnose --batching=pad`` as a user runs it: (the process,
+    diagnose.json)."""
+    model_dir = tmp_path_factory.mktemp("padded")
+    run = subprocess.run(
+        [sys.executable, "-m", "tfspeed.diagnose", f"--data_dir={stdlib_corpus}",
+         f"--model_dir={model_dir}", "--model=transformer", "--width=16", "--depth=1",
+         "--heads=2", "--batch_size=8", "--eval_split=", "--batching=pad",
+         "--precision=float32", "--steps_per_execution=1",
+         f"--diagnose_steps={UNBOUNDED_STEPS}", "--diagnose_warmup=3", "--diagnose_seconds=1"],
+        cwd=REPO, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONPATH": str(REPO)},
+        capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run, json.loads((model_dir / "diagnose" / "diagnose.json").read_text())
+
+
 def _diagnose(data_dir, model_dir, batching):
     config = Config(
         data=DataConfig(data_dir=data_dir, batch_size=8, eval_split="", batching=batching),
@@ -37,8 +59,8 @@ def _diagnose(data_dir, model_dir, batching):
         return result, json.load(f)
 
 
-def test_padded_batches_name_packing_as_the_fix(stdlib_corpus, tmp_path, capsys):
-    _, written = _diagnose(stdlib_corpus, tmp_path, "pad")
+def test_padded_batches_name_packing_as_the_fix(padded):
+    run, written = padded
     assert written["padding_fraction"] > 0.2, written["tokens"]
     assert written["real_tokens_per_sec"] > 0 and written["unit"] == "sequences"
     assert written["tokens"]["real_tokens"] < written["tokens"]["computed_tokens"]
@@ -49,9 +71,21 @@ def test_padded_batches_name_packing_as_the_fix(stdlib_corpus, tmp_path, capsys)
     padding = [a for a in advice if "of the tokens computed are padding" in a]
     assert padding and "--batching=pack" in padding[0], advice  # the larger gain first
     assert any("--batching=bucket" in a for a in padding)
-    printed = capsys.readouterr().out
-    assert "sequences/s" in printed and "real tokens/s" in printed
-    assert "--batching=pack" in printed
+    assert "sequences/s" in run.stdout and "real tokens/s" in run.stdout
+    assert "--batching=pack" in run.stdout
+
+
+def test_padded_batches_are_measured_within_the_time_limit_with_progress(padded):
+    run, written = padded
+    timed = written["steps_timed"]
+    assert set(timed) == {"input_alone", "compute_alone", "together", "profile"}
+    assert all(1 <= n < UNBOUNDED_STEPS for n in timed.values()), timed
+    for figure in ("examples_per_sec", "ms_per_batch"):
+        assert all(v > 0 for v in written[figure].values()), written[figure]
+    # Each measurement says what it starts and what it found, on stderr as absl INFO lines.
+    progress = [line for line in run.stderr.splitlines() if "diagnose: " in line]
+    for what in ("input alone", "model alone", "together", "profile"):
+        assert any(what in line for line in progress), progress
 
 
 def test_packed_batches_have_little_padding_and_no_batching_advice(stdlib_corpus, tmp_path):
@@ -59,3 +93,15 @@ def test_packed_batches_have_little_padding_and_no_batching_advice(stdlib_corpus
     assert written["padding_fraction"] < 0.05, written["tokens"]
     assert written["batching"]["mode"] == "pack"
     assert not [s for s in written["next_steps"] if "--batching=" in s["advice"]]
+    # The transformer's step is far heavier than its input, and the verdict says so; the
+    # profile of that step (xprof's wait) once counted the one-step function's first
+    # trace and called it input-bound.
+    assert written["verdict"] == "compute-bound", written["why"]
+    ms = written["ms_per_batch"]
+    assert ms["compute_alone"] > 10 * ms["input_alone"], ms
+    assert written["profile"]["input_wait_pct"] < 20, written["profile"]
+    # Model alone and together count the sequences of the batches they trained on: a
+    # step's sequences at the step's rate (one held batch's count once stood for all).
+    per_step = {k: written["examples_per_sec"][k] * ms[k] / 1000
+                for k in ("compute_alone", "together")}
+    assert 0.5 < per_step["compute_alone"] / per_step["together"] < 2, per_step

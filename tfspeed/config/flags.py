@@ -41,9 +41,12 @@ _FLAGS = {section: {field.name: _define(field) for field in dataclasses.fields(c
           for section, cls in SECTIONS.items()}
 _MODEL_DIR = _define(next(f for f in dataclasses.fields(Config) if f.name == "model_dir"))
 
-# Diagnose (python -m tfspeed.diagnose).
-_DIAGNOSE_STEPS = flags.DEFINE_integer("diagnose_steps", 40, "Steps timed per measurement.")
-_DIAGNOSE_WARMUP = flags.DEFINE_integer("diagnose_warmup", 10, "Untimed steps before each.")
+
+def help_groups() -> dict[str, list[flags.FlagHolder]]:
+    """The experiment's flags by concern, as ``--help`` lists them (``tfspeed.util.cli``)."""
+    groups = {section: list(holders.values()) for section, holders in _FLAGS.items()}
+    groups["train"].append(_MODEL_DIR)
+    return groups
 
 
 def parse(argv: list[str]) -> list[str]:
@@ -108,11 +111,3 @@ def _value(field: dataclasses.Field, value):
             raise UsageError(f"--{flag_name(field)}={value!r} must be a number or 'auto'"
                              ) from None
     return value
-
-
-def diagnose_options() -> tuple[int, int]:
-    """(steps, warmup) for ``tfspeed.diagnose``."""
-    if _DIAGNOSE_STEPS.value < 1 or _DIAGNOSE_WARMUP.value < 0:
-        raise UsageError(f"--diagnose_steps={_DIAGNOSE_STEPS.value} must be >= 1 and "
-                         f"--diagnose_warmup={_DIAGNOSE_WARMUP.value} >= 0")
-    return _DIAGNOSE_STEPS.value, _DIAGNOSE_WARMUP.value

@@ -1,9 +1,11 @@
 """From measurements to a verdict and ranked next steps. Pure functions: no measuring here.
 
-Figures come from ``tfspeed.diagnose.measure``: examples/s of the input pipeline alone (a),
-the model alone on a held batch (b) and both together (c), the share of step time spent
-waiting for input (the engine's own timing and xprof's), milliseconds per batch added by each
-pipeline stage, and peak memory.
+Figures come from ``tfspeed.diagnosis.measure``: the input pipeline alone (a), the model
+alone on held batches (b) and both together (c), each in milliseconds per batch (per step)
+and in examples/s, the share of step time spent waiting for input (the engine's own timing
+and xprof's), milliseconds per batch added by each pipeline stage, the host's cores and peak
+memory. The verdict compares milliseconds per batch: token batches hold different numbers of
+sequences, so sequences/s of one set of batches and of another are not comparable.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from tfspeed.diagnosis.profiling import INPUT_BOUND_HIGH_PCT, INPUT_BOUND_MODERA
 
 INPUT_BOUND_RATIO = 0.9  # a pipeline slower than this share of (b) cannot feed the model
 MEMORY_BOUND_SHARE = 0.85  # peak memory above this share of the machine's is the limit
-CONTENTION_RATIO = 0.75  # together below this share of min(input, model) alone: shared CPU
+CONTENTION_RATIO = 0.75  # together below this share of the slower alone: shared CPU
 SHARDS_FOR_INTERLEAVE = 16
 PADDING_SIGNIFICANT = 0.20  # measured padding above this share of computed tokens: advise
 PADDING_MIN_GAIN = 1.1  # an alternative batching must promise this many x real tokens/s
@@ -22,15 +24,13 @@ PADDING_MIN_GAIN = 1.1  # an alternative batching must promise this many x real 
 
 def decide(config, schema, plan, figures: dict) -> dict:
     """Returns ``{"verdict", "severity", "why", "next_steps": [{"advice", "expected_gain"}]}``."""
-    eps = figures["examples_per_sec"]
-    unit = figures.get("unit", "examples")  # token batches: sequences
+    ms = figures["ms_per_batch"]
     wait = max(figures["input_wait_pct"], figures.get("profile", {}).get("input_wait_pct", 0.0))
     memory_share = _memory_share(figures["memory"])
-    slow_input = eps["input_alone"] < INPUT_BOUND_RATIO * eps["compute_alone"]
-    # On a host without accelerators the pipeline and the step share the CPU cores: prefetch
-    # keeps up (little waiting), yet together runs far below either alone.
-    contention = eps["together"] < CONTENTION_RATIO * min(eps["input_alone"],
-                                                          eps["compute_alone"])
+    slow_input = ms["input_alone"] * INPUT_BOUND_RATIO > ms["compute_alone"]
+    figures_line = (f"input {ms['input_alone']:.1f} ms per batch, the step "
+                    f"{ms['compute_alone']:.1f} ms alone and {ms['together']:.1f} ms with its "
+                    "input")
     if memory_share > MEMORY_BOUND_SHARE:
         verdict, severity = "memory-bound", ""
         why = f"peak memory is {memory_share:.0%} of what the machine has"
@@ -38,25 +38,38 @@ def decide(config, schema, plan, figures: dict) -> dict:
     elif wait >= INPUT_BOUND_HIGH_PCT or (slow_input and wait >= INPUT_BOUND_MODERATE_PCT):
         verdict = "input-bound"
         severity = "highly" if wait >= INPUT_BOUND_HIGH_PCT else "moderately"
-        why = (f"{wait:.0f}% of step time waits for input; the pipeline alone gives "
-               f"{eps['input_alone']:.0f} {unit}/s, the model could take "
-               f"{eps['compute_alone']:.0f}")
+        why = f"{wait:.0f}% of step time waits for input; {figures_line}"
         steps = _input_steps(config, schema, figures)
-    elif contention:
+    elif _cpu_shared(figures):
         verdict, severity = "input-bound", "by sharing the CPU"
-        why = (f"together {eps['together']:.0f} {unit}/s is "
-               f"{eps['together'] / min(eps['input_alone'], eps['compute_alone']):.0%} of the "
-               "slower of input alone and model alone: the input pipeline takes CPU time from "
-               "the step, though the step seldom waits")
+        slower = max(ms["input_alone"], ms["compute_alone"])
+        why = (f"{figures_line}: {ms['together'] / slower:.1f}x the slower alone, though the "
+               "step seldom waits; the input pipeline takes CPU time from the step")
         steps = _input_steps(config, schema, figures)
     else:
         verdict, severity = "compute-bound", ""
-        why = (f"only {wait:.0f}% of step time waits for input; together "
-               f"{eps['together']:.0f} {unit}/s vs {eps['compute_alone']:.0f} for the model alone")
+        why = f"only {wait:.0f}% of step time waits for input; {figures_line}"
         steps = _compute_steps(config, plan, figures, wait, memory_share)
     steps += padding_steps(config, schema, figures)
     steps.sort(key=lambda s: -s.pop("score"))
     return {"verdict": verdict, "severity": severity, "why": why, "next_steps": steps}
+
+
+def _cpu_shared(figures: dict) -> bool:
+    """Whether the input takes CPU time from the step: together far slower than the slower of
+    the two alone, by no more than the input's work can take.
+
+    On a host without accelerators the pipeline and the step share the cores: prefetch keeps
+    up (little waiting), yet together runs far below either alone. Input alone keeps at most
+    every core busy for its time per batch, so that is all it can take from a step: a 2.6 ms
+    pipeline cannot make a 500 ms step take 530 ms (more load on the host, or tracing and
+    compiling new shapes in the timed steps, can).
+    """
+    ms = figures["ms_per_batch"]
+    slower = max(ms["input_alone"], ms["compute_alone"])
+    taken = ms["together"] - slower
+    return (slower < CONTENTION_RATIO * ms["together"]
+            and taken <= figures["host_cpus"] * ms["input_alone"])
 
 
 def _memory_share(memory: dict) -> float:
@@ -84,9 +97,9 @@ def _speedup(share: float, ceiling: float) -> tuple[float, str]:
 
 def _input_steps(config, schema, figures: dict) -> list[dict]:
     data = config.data
-    eps = figures["examples_per_sec"]
-    # Fixing the input entirely brings "together" up to the model-alone rate.
-    ceiling = max(eps["compute_alone"] / max(eps["together"], 1e-9), 1.0)
+    eps, ms = figures["examples_per_sec"], figures["ms_per_batch"]
+    # Fixing the input entirely brings a step down to the model alone's time.
+    ceiling = max(ms["together"] / max(ms["compute_alone"], 1e-9), 1.0)
     stages = figures["stages_ms_per_batch"]
     total = sum(stages.values()) or 1.0
     share = {name: ms / total for name, ms in stages.items()}
@@ -202,9 +215,8 @@ def _compute_steps(config, plan, figures: dict, wait: float, memory_share: float
     from tfspeed.config import RuntimeConfig
     from tfspeed.runtime import detect_hardware, resolve
 
-    eps = figures["examples_per_sec"]
     batch = config.data.batch_size
-    step_ms = 1000 * batch / max(eps["together"], 1e-9)
+    step_ms = figures["ms_per_batch"]["together"]
     steps = []
     best = resolve(RuntimeConfig(precision="auto", xla="auto"), detect_hardware())
     if plan.precision == "float32" and best.precision != "float32":

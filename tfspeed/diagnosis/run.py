@@ -41,16 +41,19 @@ def decide(job, figures: dict) -> dict:
     return advice.decide(config, job.schema, job.runtime.plan, figures)
 
 def report_lines(result: dict) -> list[str]:
-    eps = result["examples_per_sec"]
+    eps, ms = result["examples_per_sec"], result["ms_per_batch"]
     memory = result["memory"]
     unit = result.get("unit", "examples")  # token batches: sequences
     lines = [
         f"tfspeed diagnose: {result['verdict'].upper()}" + (
             f" ({result['severity']})" if result.get("severity") else "") + f": {result['why']}",
-        f"  input alone          : {eps['input_alone']:10.0f} {unit}/s "
+        f"  input alone          : {eps['input_alone']:10.0f} {unit}/s, "
+        f"{ms['input_alone']:8.1f} ms per batch "
         f"({result.get('input_measured', 'the tf.data pipeline')})",
-        f"  model alone          : {eps['compute_alone']:10.0f} {unit}/s (synthetic batch)",
+        f"  model alone          : {eps['compute_alone']:10.0f} {unit}/s, "
+        f"{ms['compute_alone']:8.1f} ms per step (batches held in memory)",
         f"  together             : {eps['together']:10.0f} {unit}/s, "
+        f"{ms['together']:8.1f} ms per step, "
         f"{result['input_wait_pct']:.0f}% of the time waiting for input",
         f"  peak host memory     : {memory['peak_host_rss_mb'] / 1024:.1f} GB of "
         f"{memory['host_total_mb'] / 1024:.1f} GB (allocator: "

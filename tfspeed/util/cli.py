@@ -1,13 +1,54 @@
-"""What every command-line entry point shares: quiet start-up and one-line user errors."""
+"""What every command-line entry point shares: ``--help``, quiet start-up and one-line user
+errors."""
 
 from __future__ import annotations
 
 import socket
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+
+from absl import flags
 
 from tfspeed.errors import exit_on_usage_error, storage_error
 from tfspeed.util.system import import_tensorflow_quietly
+
+HELP_ARGS = ("-h", "-?", "-help", "--help", "-helpshort", "--helpshort")
+HELPFULL_ARGS = ("-helpfull", "--helpfull")
+_FLAGS_TAIL = ("--flagfile=FILE reads flags from FILE, one per line (pipelines/*.flags);\n"
+               "--helpfull lists every flag, absl's own too.")
+
+
+def exit_on_help(usage: Callable[[], str], argv: Sequence[str] | None = None) -> None:
+    """Prints ``usage()`` and exits with status 0 if ``argv`` (default: the command line)
+    asks for help; ``--helpfull`` adds every absl flag defined. Arguments after ``--``
+    belong to another command (``tfspeed.launch``'s workers) and are not looked at.
+
+    Commands call it first, before TensorFlow starts (seconds), so help comes at once;
+    absl's own ``--help`` exits with status 1 and lists only the flags the ``__main__``
+    module defined itself, which for commands built on ``tfspeed.config.flags`` is none.
+    """
+    args = list(sys.argv[1:] if argv is None else argv)
+    args = args[:args.index("--")] if "--" in args else args
+    full = any(arg in HELPFULL_ARGS for arg in args)
+    if full or any(arg in HELP_ARGS for arg in args):
+        print(usage())
+        if full:
+            print(f"\nall flags:\n{flags.FLAGS.get_help()}")
+        sys.exit(0)
+
+
+def flags_usage(doc: str, groups: dict[str, Sequence[flags.FlagHolder]]) -> str:
+    """A command's help: ``doc``, then its own flags by group, each with its help text and
+    default (absl's format)."""
+    parts = [doc.strip()]
+    for title, holders in groups.items():
+        listing = flags.FlagValues()  # only this group's flags, rendered the way absl does
+        for holder in holders:
+            listing[holder.name] = flags.FLAGS[holder.name]
+        parts.append(f"{title} flags:\n"
+                     f"{listing.get_help(prefix='  ', include_special_flags=False)}")
+    parts.append(_FLAGS_TAIL)
+    return "\n\n".join(parts)
 
 
 def main_entry(main: Callable[[], int | None]) -> None:

@@ -1,0 +1,54 @@
+"""``--help`` on every command: its own flags, with their help and defaults, exit status 0,
+and no TensorFlow start before printing them."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO
+
+# Runs a command as ``python -m`` (or as a script) would, then says whether TensorFlow was
+# imported: help is printed before the seconds of TensorFlow's start.
+_RUN = """\
+import runpy, sys
+target = sys.argv.pop(1)
+try:
+    if target.endswith(".py"):
+        runpy.run_path(target, run_name="__main__")
+    else:
+        runpy.run_module(target, run_name="__main__", alter_sys=True)
+finally:
+    print("tensorflow imported:", "tensorflow" in sys.modules)
+"""
+
+# command -> flags of its own that its help must list, and flags it must not list.
+COMMANDS = {
+    "tfspeed.train": (["--batching", "--batch_size", "--model_dir", "--[no]shuffle"],
+                      ["--budget_s", "--diagnose_steps"]),
+    "tfspeed.diagnose": (["--batching", "--diagnose_steps", "--diagnose_seconds"],
+                         ["--budget_s"]),
+    "tfspeed.tune": (["--batching", "--budget_s", "--tune_dir"], ["--diagnose_steps"]),
+    "tfspeed.verify": (["--repair", "data_dir"], []),
+    "tfspeed.launch": (["--workers", "--max_restarts"], ["--batching"]),
+    "tfspeed.data_service": (["--dispatcher", "--work_dir", "--port"], ["--batching"]),
+    "scripts/to_tfrecord.py": (["--source", "--output", "--tokenizer"], ["--batching"]),
+}
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_help_lists_the_commands_own_flags_and_exits_0(command):
+    target = str(REPO / command) if command.endswith(".py") else command
+    run = subprocess.run([sys.executable, "-c", _RUN, target, "--help"], cwd=REPO,
+                         env={**os.environ, "PYTHONPATH": str(REPO)},
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, (run.stdout[-2000:], run.stderr[-2000:])
+    listed, unlisted = COMMANDS[command]
+    help_text = run.stdout
+    for flag in listed:
+        assert flag in help_text, (flag, help_text)
+    for flag in unlisted:
+        assert flag not in help_text, (flag, help_text)
+    assert "default" in help_text  # each flag's default is shown
+    assert help_text.rstrip().endswith("tensorflow imported: False"), help_text[-500:]
