@@ -57,7 +57,7 @@ def measure(job, options: Options, out_dir: str) -> dict:
     in_step = hasattr(job.train_data, "replica_batch")
     batching = job.input_report.get("batching")  # token records: sequences, not examples
     local = pipeline.build_from_config(job.train_data_config, config.data.train_split,
-                                       training=True, schema=job.schema)
+                                       training=True, schema=job.schema, batching=job.batching)
     warmup = options.warmup + min(job.steps_per_epoch, 200)  # fill an in-memory cache
     _say("input alone: up to %d batches after %d to warm up", options.steps, warmup)
     if in_step:  # what the job runs: batches gathered inside the step, no tf.data per step
@@ -245,11 +245,9 @@ def _token_figures(batching: dict, tokens: dict) -> dict:
             "tokens": {**{k: tokens[k] for k in ("real_tokens", "computed_tokens",
                                                  "sequences")},
                        "computed_tokens_per_sec": tokens["computed_tokens"] / tokens["seconds"]},
-            "batching": {"mode": batching["mode"], "reason": batching["reason"],
-                         "tokens_per_batch": batching["tokens_per_batch"],
-                         "batch_size": batching["batch_size"],
-                         "max_length": batching["max_length"],
-                         "expected_padding": batching["expected_padding"]}}
+            "batching": {k: batching[k] for k in (
+                "mode", "reason", "tokens_per_batch", "batch_size", "max_length",
+                "expected_padding", "costs", "attention_length")}}
 
 
 def _time_engine(engine, iterator, options: Options) -> Timing:
