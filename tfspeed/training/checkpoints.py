@@ -11,11 +11,12 @@ from __future__ import annotations
 import glob
 import json
 import os
+import time
 
 import tensorflow as tf
 from absl import logging
 
-from tfspeed.config import TrainConfig
+from tfspeed.config import TrainConfig, is_auto
 from tfspeed.errors import UsageError, storage_error
 from tfspeed.training.engine import Engine
 
@@ -93,7 +94,11 @@ class Checkpoints:
             with collectives), but only the chief into the run directory.
           asynchronous: write checkpoints in a background thread.
         """
-        self.engine, self.every = engine, config.checkpoint_every
+        self.engine = engine
+        # auto: by the clock, at log points (where every worker of a job agrees on it).
+        self.every = 0 if is_auto(config.checkpoint_every) else config.checkpoint_every
+        self.seconds = config.checkpoint_seconds if is_auto(config.checkpoint_every) else 0.0
+        self._saved_at = time.monotonic()
         self.directory = os.path.join(model_dir, "checkpoints")
         self.write_directory = os.path.join(write_dir or model_dir, "checkpoints")
         self.asynchronous = asynchronous
@@ -215,7 +220,15 @@ class Checkpoints:
                                                   max_to_keep=self.keep)
 
     def maybe_save(self, updates: int) -> None:
+        """Saves every ``checkpoint_every`` updates (call after each call of steps)."""
         if self.every and updates // self.every > max(self.last_saved, 0) // self.every:
+            self._save(updates)
+
+    def maybe_save_in_time(self, updates: int, agree=lambda seconds: seconds) -> None:
+        """``checkpoint_every=auto``: saves once ``checkpoint_seconds`` have passed since the
+        last save (call at log points; ``agree`` makes every worker of a multi-worker job
+        take the same decision: a save holds collectives)."""
+        if self.seconds and agree(time.monotonic() - self._saved_at) >= self.seconds:
             self._save(updates)
 
     def save(self, final: bool = False) -> None:
@@ -250,6 +263,7 @@ class Checkpoints:
 
     def _save(self, updates: int) -> None:
         self.check_finite()
+        self._saved_at = time.monotonic()
         try:
             self.manager.save(checkpoint_number=updates, options=self.options)
         except tf.errors.OpError as e:

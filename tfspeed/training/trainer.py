@@ -378,6 +378,8 @@ class _Loop:
                 checkpoints.check_finite(weights=False)
                 self._log(out, done, done - self._measured_from, float(self._waited))
                 self._logged, self._measured_from, self._waited = done, done, 0.0
+                if done < self.total_micro:  # the end saves anyway
+                    checkpoints.maybe_save_in_time(done // self.k, self.agree)
             checkpoints.maybe_save(done // self.k)
             if self.callbacks and done // self.steps_per_epoch > (done - n) // self.steps_per_epoch:
                 self._epoch_end(out, done)
@@ -426,19 +428,22 @@ class _Loop:
         self.last_metrics = metrics
         # A window of warm-up calls only has no speed of its own (None; the progress bar
         # leaves it out).
-        speed = {"examples/s": figures.get("examples_per_sec"),
-                 "input wait %": figures.get("input_wait_pct")}
+        tokens = "real_tokens_per_sec" in figures  # text: tokens and sequences, not examples
+        speed = ({"real tokens/s": figures["real_tokens_per_sec"],
+                  "sequences/s": figures["sequences_per_sec"]} if tokens
+                 else {"examples/s": figures.get("examples_per_sec")})
+        speed["input wait %"] = figures.get("input_wait_pct")
         self.history.append({"update": updates, "micro_step": done, **metrics,
-                             "examples_per_sec": speed["examples/s"],
+                             "examples_per_sec": figures.get("examples_per_sec"),
                              **({"real_tokens_per_sec": figures["real_tokens_per_sec"]}
-                                if "real_tokens_per_sec" in figures else {})})
+                                if tokens else {})})
         self.progbar.update(updates, [*metrics.items(),
                                       *((k, v) for k, v in speed.items() if figures)])
         if not self.progbar.verbose:
             shown = " ".join(f"{name}={value:.4f}" for name, value in metrics.items())
-            rate = (f"{figures['examples_per_sec']:.0f} examples/s, "
-                    f"{figures['input_wait_pct']:.0f}% waiting for input" if figures
-                    else "warm-up (not timed)")
+            rate = (", ".join(f"{v:.0f} {k}" for k, v in speed.items() if not k.startswith(
+                "input")) + f", {figures['input_wait_pct']:.0f}% waiting for input"
+                if figures else "warm-up (not timed)")
             logging.info("update %d/%d (micro-step %d): %s %s", updates,
                          self.total_micro // self.k, done, shown, rate)
 
