@@ -7,54 +7,19 @@ import glob
 import io
 import json
 import os
-import subprocess
-import sys
-from pydoc_data.topics import topics
 
 import numpy as np
 import pytest
 
-from tests.conftest import REPO as REPO_PATH
+from tests.conftest import converter_cli as cli
+from tests.conftest import paragraphs
+from tests.conftest import token_records as records
 from tfspeed.convert import convert
 from tfspeed.convert.sources import TextOptions
 from tfspeed.data import schema as schema_lib
 from tfspeed.errors import UsageError
 
-REPO = str(REPO_PATH)
-SCRIPT = os.path.join(REPO, "scripts", "to_tfrecord.py")
-
-
-def paragraphs() -> list[str]:
-    """Real English text that ships with Python: the language reference's paragraphs."""
-    found = []
-    for name in sorted(topics):
-        found += [p.strip() for p in topics[name].split("\n\n") if len(p.strip()) > 40]
-    return found
-
-
 TEXTS = paragraphs()[:240]
-
-
-def cli(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
-    return subprocess.run(
-        [sys.executable, SCRIPT, *args, "--noprogress"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
-    )
-
-
-def records(out: str, split: str = "train") -> list[dict]:
-    """The records of a split, parsed by tf.data with the schema's spec (RaggedFeature)."""
-    import tensorflow as tf
-
-    schema = schema_lib.read(out)
-    spec = schema.parse_spec()
-    ds = tf.data.TFRecordDataset(schema.shard_paths(out, split))
-    ds = ds.map(lambda x: tf.io.parse_single_example(x, spec))
-    return [{k: v.numpy() for k, v in r.items()} for r in ds]
 
 
 def shard_bytes(out: str) -> dict[str, bytes]:
