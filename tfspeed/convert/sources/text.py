@@ -5,7 +5,7 @@ Each item is tokenised in the chunks, so in the writer workers, with a tokeniser
 loaded here, in the parent (`tfspeed.convert.tokenizer`). A record holds ``tokens`` (int64
 ids, variable length) and, for classification, ``label``; for ``--task=lm`` only ``tokens``,
 between the tokeniser's bos and eos. Texts over ``--max_length`` tokens are truncated, split
-into several records or skipped (``--long``). Items that are no text (not UTF-8, NUL bytes,
+into several records or skipped (``--long``, as `tfspeed.data.long_texts` says). Items that are no text (not UTF-8, NUL bytes,
 empty) are skipped and counted, like undecodable images.
 """
 
@@ -33,11 +33,11 @@ from tfspeed.convert.sources.base import (
     train_validation,
 )
 from tfspeed.convert.sources.lengths import SKIPPED_LONG, TextSkip, TokenIds
+from tfspeed.data import long_texts
 from tfspeed.data.schema import Feature, standardize_stats
 from tfspeed.errors import UsageError
 
 TOKENS = Feature("tokens", "int64", (None,), "tokens")
-LONG = ("truncate", "split", "skip")
 KINDS = ("textfolder", "jsonl", "pystdlib")
 
 
@@ -60,21 +60,18 @@ class Encoding:
         m = self.max_length
         if not m or len(ids) <= m:
             yield {"tokens": TokenIds(ids), **extra}
-        elif self.long == "skip":
+            return
+        # A language-model record's pieces overlap by one token: every next-token pair stays
+        # inside a piece.
+        made = long_texts.pieces([len(ids)], m, self.long, overlap=int(self.task == "lm"))
+        if not made.length.size:
             yield TextSkip(
                 name, f"{len(ids)} tokens, over --max_length={m} (--long=skip)", SKIPPED_LONG
             )
-        elif self.long == "truncate":
-            yield {"tokens": TokenIds(ids[:m], truncated=True), **extra}
-        else:
-            # For lm the pieces overlap by one token: every next-token pair stays in a piece.
-            stride = m - 1 if self.task == "lm" else m
-            starts = range(0, len(ids) - (self.task == "lm"), stride)
-            for part, start in enumerate(starts):
-                yield {
-                    "tokens": TokenIds(ids[start : start + m], part=part, parts=len(starts)),
-                    **extra,
-                }
+        truncated, parts = self.long == "truncate", made.length.size
+        for part, (start, n) in enumerate(zip(made.offset, made.length, strict=True)):
+            tokens = TokenIds(ids[start : start + n], truncated, part, parts)
+            yield {"tokens": tokens, **extra}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -364,7 +361,8 @@ def check_options(kind: str, spec: str, opts: SourceOptions) -> None:
         (t.max_length and t.max_length < 2, f"--max_length={t.max_length}: must be >= 2 (or 0 "
          "= no limit): a language-model record needs bos and a token"),
         (t.max_length < 0, f"--max_length={t.max_length}: must be >= 2, or 0 = no limit"),
-        (t.long not in LONG, f"--long={t.long}: use one of {', '.join(LONG)}"),
+        (t.long not in long_texts.POLICIES, f"--long={t.long}: use one of "
+         f"{', '.join(long_texts.POLICIES)}"),
         (t.max_items < 0, f"--max_items={t.max_items}: must be >= 0 (0 = all)"),
         (not t.text_field, "--text_field is empty: name the JSON field holding the text"),
         (opts.task == "regression", f"--task=regression: text sources hold classes or "
