@@ -94,7 +94,8 @@ def test_schema_text_section_and_histograms(folder_dataset):
     text = d["text"]
     assert text["tokenizer"]["file"] == "tokenizer.json" and text["tokenizer"]["vocab_size"] == 400
     assert text["tokenizer"]["special_ids"] == {"pad": 0, "unk": 1, "bos": 2, "eos": 3}
-    assert (text["task"], text["max_length"], text["long"]) == ("classification", 0, "truncate")
+    # The defaults: the driver's cap and policy (config.MAX_LENGTH_CAP, LONG_DEFAULT).
+    assert (text["task"], text["max_length"], text["long"]) == ("classification", 1024, "split")
     for split in d["splits"].values():
         stats = split["text"]
         lengths = [
@@ -309,6 +310,8 @@ def test_bad_options_are_one_line_errors(tmp_path):
 
 def test_max_items_samples_the_corpus(tmp_path):
     out = str(tmp_path / "few")
-    result = convert_text("pystdlib:json", out, "lm", tokenizer="bpe:300", max_items=12)
+    # No length limit: each item is one record.
+    result = convert_text("pystdlib:json", out, "lm", tokenizer="bpe:300", max_items=12,
+                          max_length=0)
     assert sum(s.num_records for s in result.schema.splits.values()) == 12
     assert result.schema.options["max_items"] == 12 and result.schema.class_names == ()

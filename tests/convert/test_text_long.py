@@ -3,13 +3,19 @@ defaults the converter shares with the driver (split at 1024 tokens, all CPUs)."
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
-from tests.conftest import paragraphs
+from tests.conftest import converter_cli, paragraphs
+from tfspeed.config import LONG_DEFAULT, MAX_LENGTH_CAP, DataConfig
+from tfspeed.convert import convert
 from tfspeed.convert import tokenizer as tokenizer_lib
+from tfspeed.convert.sources.base import TextOptions
 from tfspeed.convert.sources.lengths import SKIPPED_LONG, TextSkip, TokenIds
 from tfspeed.convert.sources.text import Encoding
+from tfspeed.util import system
 
 TEXTS = paragraphs()[:200]
 
@@ -59,3 +65,30 @@ def test_records_are_those_of_the_earlier_slicing(bpe, task, long, max_length):
                 r["tokens"].parts) for r in made]
         assert got == expected
     assert made_over > 20  # the policy had work to do on most of these texts
+
+
+def test_a_long_one_line_text_is_split_by_default(tmp_path):
+    """A 2 MB text on one line, converted with the defaults: once a single record of ~350k
+    tokens (its batches exhausted memory), now pieces of at most 1024 tokens, counted."""
+    text = " ".join(paragraphs()).replace("\n", " ")
+    text = (text + " ") * (2_000_000 // len(text) + 1)
+    (tmp_path / "src" / "books").mkdir(parents=True)
+    (tmp_path / "src" / "books" / "all.txt").write_text(text[:2_000_000])
+    out = tmp_path / "out"
+    proc = converter_cli(f"--source=textfolder:{tmp_path / 'src'}", f"--output={out}")
+    assert proc.returncode == 0, proc.stderr
+    schema = json.loads((out / "schema.json").read_text())
+    assert (schema["text"]["max_length"], schema["text"]["long"]) == (1024, "split")
+    stats = schema["splits"]["train"]["text"]
+    assert stats["split_into"] == 1 and stats["max"] == 1024
+    assert stats["records"] == -(-stats["tokens"] // 1024) > 100  # whole pieces, the last short
+    assert ", 1 split," in proc.stdout and f"{stats['records']} records" in proc.stdout
+
+
+def test_the_converter_shares_the_drivers_defaults(tmp_path):
+    assert (TextOptions().long, TextOptions().max_length) == (LONG_DEFAULT, MAX_LENGTH_CAP)
+    assert DataConfig().long == TextOptions().long
+    # The library writes with every CPU available, as the command line does: the driver's
+    # --prepare_source calls convert() with its defaults.
+    result = convert("digits", str(tmp_path / "d"), shards=2)
+    assert result.summary["workers"] == system.cpus_available()

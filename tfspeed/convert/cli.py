@@ -29,6 +29,7 @@ from collections.abc import Sequence
 
 from absl import flags, logging
 
+from tfspeed.config import LONG_POLICIES
 from tfspeed.convert import runners, sources
 from tfspeed.convert.converter import ConvertResult, convert
 from tfspeed.errors import UsageError, exit_on_usage_error
@@ -124,7 +125,7 @@ _MAX_LENGTH = flags.DEFINE_integer(
     "max_length", _TEXT.max_length, "Text: the most tokens per record (bos/eos included), >= 2; "
     "0 = no limit.", flag_values=_FLAGS)
 _LONG = flags.DEFINE_enum(
-    "long", _TEXT.long, ["truncate", "split", "skip"], "Text: a text over --max_length is cut "
+    "long", _TEXT.long, list(LONG_POLICIES), "Text: a text over --max_length is cut "
     "(truncate), made into several records (split) or skipped; each counted.", flag_values=_FLAGS)
 _TEXT_FIELD = flags.DEFINE_string(
     "text_field", _TEXT.text_field, "jsonl: the field holding the text.", flag_values=_FLAGS)
@@ -170,7 +171,6 @@ def _main(argv: list[str]) -> int:
         return 0
     _parse(argv)
     _log_to_stderr()
-    workers = _WORKERS.value if _WORKERS.value is not None else _cpu_count()
     result = convert(
         _SOURCE.value,
         _OUTPUT.value,
@@ -178,7 +178,7 @@ def _main(argv: list[str]) -> int:
         target_shard_mb=_TARGET_SHARD_MB.value,
         validation_fraction=_VALIDATION_FRACTION.value,
         seed=_SEED.value,
-        workers=workers,
+        workers=_WORKERS.value,
         runner=_RUNNER.value,
         beam_options=_BEAM_OPTIONS.value,
         image_size=_IMAGE_SIZE.value,
@@ -235,13 +235,6 @@ def _log_to_stderr() -> None:
         flags.FLAGS.logtostderr = True  # follow sys.stderr even when it is replaced
     logging.use_absl_handler()
     logging.set_verbosity(logging.WARNING)  # TFDS' INFO chatter is not for this tool's users
-
-
-def _cpu_count() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
 
 
 def summary_line(result: ConvertResult) -> str:
