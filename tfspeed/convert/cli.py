@@ -130,7 +130,8 @@ _LONG = flags.DEFINE_enum(
 _TEXT_FIELD = flags.DEFINE_string(
     "text_field", _TEXT.text_field, "jsonl: the field holding the text.", flag_values=_FLAGS)
 _LABEL_FIELD = flags.DEFINE_string(
-    "label_field", _TEXT.label_field, "jsonl: the field holding the label (none: --task=lm).",
+    "label_field", _TEXT.label_field, "jsonl: the field holding the label; default: 'label' "
+    "where every line has one, else none (a language model; the summary says which).",
     flag_values=_FLAGS)
 _TEXT_COLUMN = flags.DEFINE_string(
     "text_column", _TEXT.text_column, "csv: the column holding a text to tokenise (the label "
@@ -238,7 +239,8 @@ def _log_to_stderr() -> None:
 
 
 def summary_line(result: ConvertResult) -> str:
-    """One line for humans: records, speed, bytes, shards per split, skipped items."""
+    """One line for humans: records, speed, bytes, shards per split, skipped items; for text
+    the tokens, the long-text events and the task (with how to choose the other)."""
     s, schema = result.summary, result.schema
     if result.already_converted:
         return (
@@ -256,7 +258,7 @@ def summary_line(result: ConvertResult) -> str:
     return (
         f"converted {schema.source} into {result.output}: {s['records']} records ({splits}), "
         f"{s['bytes'] / 1e6:.1f} MB, {s['skipped']} skipped, {s['seconds']:.1f} s "
-        f"({s['records_per_sec']:.0f} records/s){_text_counts(s)}{resumed}"
+        f"({s['records_per_sec']:.0f} records/s){_text_counts(s)}{resumed}{_task(schema)}"
     )
 
 
@@ -267,6 +269,12 @@ def _text_counts(summary: dict) -> str:
         return ""
     return (f"; {t['tokens']} tokens, {t['truncated']} truncated, {t['split_into']} split, "
             f"{t['skipped_long']} skipped as too long")
+
+
+def _task(schema) -> str:
+    """A text conversion's task, from what it was chosen and how to choose the other."""
+    note = (schema.text or {}).get("task_note")
+    return f"; task: {note}" if note else ""
 
 
 def convert_main() -> None:

@@ -52,7 +52,8 @@ class TextOptions:
       long: what happens to a longer text: ``truncate``, ``split`` (several records) or
         ``skip``; the default is the driver's (``config.LONG_DEFAULT``).
       text_field: the JSON field holding the text (``jsonl:``).
-      label_field: the JSON field holding the label (``jsonl:``); empty = no labels.
+      label_field: the JSON field holding the label (``jsonl:``); empty = ``label`` where
+        every line has one, else no labels.
       text_column: the CSV column holding the text (``csv:``); empty = a numeric CSV.
       max_items: use only this many items, a seeded sample in source order; 0 = all.
       data_dir: the output directory, where the workers find the tokeniser (not an option

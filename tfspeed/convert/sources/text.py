@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -39,6 +39,36 @@ from tfspeed.errors import UsageError
 
 TOKENS = Feature("tokens", "int64", (None,), "tokens")
 KINDS = ("textfolder", "jsonl", "pystdlib")
+LABEL_FIELD = "label"  # the JSON field a jsonl: source's classes are taken from unless named
+
+
+@dataclasses.dataclass(frozen=True)
+class Labels:
+    """A text source's classes and where they come from, as the summary's task line says.
+
+    Attributes:
+      names: label ``i`` is ``names[i]``; empty where the source has none.
+      found: where the classes come from (``by folder``, ``on field 'label'``); "" if
+        the source has none to offer.
+      missing: why it has none (``no label field``), where ``found`` is "".
+      to_classify: what to pass to classify instead (``--label_field=NAME to classify``).
+    """
+
+    names: tuple[str, ...]
+    found: str
+    missing: str = ""
+    to_classify: str = ""
+
+    def task_note(self, task: str, requested: str) -> str:
+        """The task chosen, from what, and how to choose the other (``requested``: --task)."""
+        if task == "classification":
+            return (f"classification {self.found} ({len(self.names)} classes); --task=lm for "
+                    "a language model")
+        if requested != "lm":
+            return f"lm ({self.missing}); {self.to_classify}"
+        if self.found:
+            return f"lm (--task=lm); drop --task=lm to classify {self.found}"
+        return f"lm (--task=lm); {self.to_classify} without --task=lm"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,14 +189,17 @@ def open_textfolder(root: str, opts: SourceOptions) -> Source:
         items = {
             s: [fs[i] for i in images._shuffled(len(fs), opts.seed, s)] for s, fs in files.items()
         }
-    return text_source(items, class_names, content_hash(stats), {}, opts, root=root)
+    labels = Labels(class_names, "by folder")
+    return text_source(items, labels, content_hash(stats), {}, opts, root=root)
 
 
 def open_jsonl(path: str, opts: SourceOptions) -> Source:
-    """One JSON object per line: the text in ``--text_field``, the label in ``--label_field``."""
+    """One JSON object per line: the text in ``--text_field``; the label in ``--label_field``,
+    else in ``label`` where every line has one (else no labels: ``--task=lm``)."""
     t = _text(opts)
-    texts, labels = [], []
-    for line_no, obj in _json_lines(path):
+    lines = list(_json_lines(path))
+    texts = []
+    for line_no, obj in lines:
         text = obj.get(t.text_field) if isinstance(obj, dict) else None
         if not isinstance(text, str):
             raise UsageError(
@@ -174,21 +207,32 @@ def open_jsonl(path: str, opts: SourceOptions) -> Source:
                 "every line needs one (or pass --text_field=NAME)"
             )
         texts.append(text)
-        if t.label_field:
-            if obj.get(t.label_field) in (None, ""):
-                raise UsageError(
-                    f"{path} line {line_no} has no label {t.label_field!r}; every "
-                    "line needs one, or drop --label_field (for --task=lm)"
-                )
-            labels.append(str(obj[t.label_field]))
-    y, class_names = tables._encode_labels(labels) if labels else (None, ())
+    field, labels = _jsonl_label_field(path, lines, t.label_field)
+    y, names = tables._encode_labels([str(obj[field]) for _, obj in lines]) if field else ([], ())
     base = os.path.basename(path)
-    items = [
-        (f"{base}:{i}", text, int(y[i - 1]) if y is not None else -1)
-        for i, text in enumerate(texts, start=1)
-    ]
-    options = {"text_field": t.text_field, "label_field": t.label_field}
-    return text_source(_split(items, opts), class_names, file_identity(path), options, opts)
+    items = [(f"{base}:{i}", text, int(y[i - 1]) if field else -1)
+             for i, text in enumerate(texts, start=1)]
+    options = {"text_field": t.text_field, "label_field": field}
+    labels = dataclasses.replace(labels, names=tuple(names))
+    return text_source(_split(items, opts), labels, file_identity(path), options, opts)
+
+
+def _jsonl_label_field(path: str, lines: list[tuple[int, dict]], given: str) -> tuple[str, Labels]:
+    """The field holding a jsonl source's labels ("" for none), and where they come from."""
+    for line_no, obj in lines if given else ():
+        if obj.get(given) in (None, ""):
+            raise UsageError(
+                f"{path} line {line_no} has no label {given!r}; every "
+                "line needs one, or drop --label_field (for --task=lm)"
+            )
+    field = given or LABEL_FIELD
+    labelled = sum(obj.get(field) not in (None, "") for _, obj in lines)
+    if labelled == len(lines):
+        return field, Labels((), f"on field {field!r}")
+    if labelled:  # a language model, as without any label, but never silently
+        return "", Labels((), "", f"field {field!r} on {labelled} of {len(lines)} lines only",
+                          f"--label_field={field} to classify (every line needs one)")
+    return "", Labels((), "", "no label field", "--label_field=NAME to classify")
 
 
 def open_csv_text(path: str, opts: SourceOptions) -> Source:
@@ -236,9 +280,10 @@ def open_csv_text(path: str, opts: SourceOptions) -> Source:
     items = [(name, text, int(y[i]) if labelled else -1) for i, (name, text, _) in enumerate(items)]
     extra = {"features": np.asarray(numbers, np.float32)} if others else {}
     options = {"text_column": t.text_column, "label_column": opts.label_column, "columns": others}
-    return text_source(
-        _split(items, opts), class_names, file_identity(path), options, opts, extra=extra
-    )
+    column = opts.label_column
+    labels = Labels(class_names, f"on column {column!r}" if column in header else "",
+                    f"no column {column!r}", "--label_column=NAME to classify")
+    return text_source(_split(items, opts), labels, file_identity(path), options, opts, extra=extra)
 
 
 def open_pystdlib(arg: str, opts: SourceOptions) -> Source:
@@ -248,7 +293,8 @@ def open_pystdlib(arg: str, opts: SourceOptions) -> Source:
     texts, identity = pystdlib.corpus(classes)
     ids = {name: i for i, name in enumerate(classes)}
     items = [(name, text, ids[label]) for name, text, label in texts]
-    return text_source(_split(items, opts), classes, identity, {"classes": list(classes)}, opts)
+    labels = Labels(classes, "by package")
+    return text_source(_split(items, opts), labels, identity, {"classes": list(classes)}, opts)
 
 
 # ---------------------------------------------------------------- shared
@@ -256,7 +302,7 @@ def open_pystdlib(arg: str, opts: SourceOptions) -> Source:
 
 def text_source(
     items: dict[str, list],
-    class_names: Sequence[str],
+    labels: Labels,
     identity: str,
     options: dict,
     opts: SourceOptions,
@@ -270,7 +316,7 @@ def text_source(
       items: split -> ``[(name, text or None, label, size, row)]``, each split in record
         order; ``text`` None reads the file ``root/name`` (in the workers); ``size`` is the
         text's size, ``row`` the item's row in ``extra``.
-      class_names: label ``i`` is ``class_names[i]``; empty for a source without labels.
+      labels: the classes (none: a language model) and where they come from.
       identity: the content identity of what the items were read from.
       options: the kind's own record-shaping options.
       opts: the converter options (``opts.text`` the text ones).
@@ -278,10 +324,12 @@ def text_source(
       extra: more features, name -> array with one row per item (by the item's row index).
 
     Returns:
-      The `Source`: ``tokens`` (and ``label``, ``features``) per record.
+      The `Source`: ``tokens`` (and ``label``, ``features``) per record. Its ``text``
+      section's ``task_note`` says which task was chosen, from what, and how to choose
+      the other (the converter's summary line shows it).
     """
     t = _text(opts)
-    task = "lm" if opts.task == "lm" or not class_names else "classification"
+    task = "lm" if opts.task == "lm" or not labels.names else "classification"
     items = {s: items[s] for s in ordered_splits(items) if items[s]}
     if "train" not in items:
         raise UsageError(
@@ -321,7 +369,7 @@ def text_source(
     return Source(
         features=tuple(features),
         inputs="tokens" if not arrays else ("tokens", *arrays),
-        class_names=tuple(class_names) if task != "lm" else (),
+        class_names=tuple(labels.names) if task != "lm" else (),
         splits={s: len(v) for s, v in items.items()},
         split_bytes={s: sum(_size(it) for it in v) for s, v in items.items()},
         identity=identity,
@@ -336,7 +384,7 @@ def text_source(
         },
         make_chunk=make_chunk,
         stats={k: standardize_stats(a[rows["train"]]) for k, a in arrays.items()},
-        text=section,
+        text={**section, "task_note": labels.task_note(task, opts.task)},
         files={tok.file: tok.data},
     )
 
