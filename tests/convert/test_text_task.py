@@ -99,3 +99,22 @@ def test_every_text_source_states_its_task(tmp_path, capsys):
         assert status == 0, err
         assert out.strip().endswith(said), out
         assert schema_lib.read(str(tmp_path / str(n))).task == said.split()[1]
+
+
+# ---------------------------------------------------------------- refused, warned
+
+
+def test_csv_text_with_other_columns_is_refused(tmp_path, capsys):
+    """Text models take tokens only: numeric columns beside the text converted, then could
+    not train; now the conversion says so."""
+    rows = [(t.replace('"', "'"), label) for t, label in labelled_paragraphs(3)]
+    table = tmp_path / "x.csv"
+    table.write_text("a,text,label,b\n" + "".join(
+        f'{len(t)},"{t}",{label},{len(t.split())}\n' for t, label in rows))
+    status, out, err = converter(capsys, f"--source=csv:{table}", "--text_column=text",
+                                 f"--output={tmp_path / 'out'}")
+    assert status == 2 and not out
+    assert err == [f"error: CSV {table} has columns besides the text and label (a, b): text "
+                   "records hold tokens and a label only; drop them from the file, or name the "
+                   "label column with --label_column=NAME"]
+    assert not (tmp_path / "out" / "schema.json").exists()

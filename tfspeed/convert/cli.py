@@ -135,7 +135,8 @@ _LABEL_FIELD = flags.DEFINE_string(
     flag_values=_FLAGS)
 _TEXT_COLUMN = flags.DEFINE_string(
     "text_column", _TEXT.text_column, "csv: the column holding a text to tokenise (the label "
-    "column as --label_column; other columns numeric, stored as `features`).", flag_values=_FLAGS)
+    "column as --label_column; no other columns: text records hold tokens and a label).",
+    flag_values=_FLAGS)
 _MAX_ITEMS = flags.DEFINE_integer(
     "max_items", _TEXT.max_items, "Text: convert only this many items (a seeded sample, e.g. "
     "for a quick run); 0 = all.", flag_values=_FLAGS)

@@ -34,7 +34,7 @@ from tfspeed.convert.sources.base import (
 )
 from tfspeed.convert.sources.lengths import SKIPPED_LONG, TextSkip, TokenIds
 from tfspeed.data import long_texts
-from tfspeed.data.schema import Feature, standardize_stats
+from tfspeed.data.schema import Feature
 from tfspeed.errors import UsageError
 
 TOKENS = Feature("tokens", "int64", (None,), "tokens")
@@ -83,7 +83,8 @@ class Encoding:
     eos: int | None
 
     def records(self, name: str, text: str, extra: dict) -> Iterator[dict | Skip]:
-        """The records of one text (one, or several with ``--long=split``), or a skip."""
+        """The records of one text (one, or several with ``--long=split``), or a skip; each
+        holds ``extra`` (the label) beside the tokens."""
         ids = self.tokenizer.load().encode(text)
         if self.task == "lm":
             ids = np.concatenate([[self.bos], ids, [self.eos]]).astype(np.int64)
@@ -109,24 +110,20 @@ class TextChunk:
     """Texts (or text files under ``root``) with their labels, tokenised by ``encoding``.
 
     ``items`` are ``(name, text, label)``; ``text`` None means the file ``root/name``.
-    ``extra`` holds other features, one row per item (a CSV's numeric columns).
     """
 
     items: tuple[tuple[str, str | None, int], ...]
     encoding: Encoding
     root: str = ""
-    extra: dict = dataclasses.field(default_factory=dict)
 
     def records(self) -> Iterator[dict | Skip]:
-        for i, (name, text, label) in enumerate(self.items):
+        for name, text, label in self.items:
             text = read_text(os.path.join(self.root, name), name) if text is None else text
             text = checked(name, text)
             if isinstance(text, Skip):
                 yield text
                 continue
-            extra = {k: v[i] for k, v in self.extra.items()}
-            if self.encoding.task != "lm":
-                extra["label"] = label
+            extra = {} if self.encoding.task == "lm" else {"label": label}
             yield from self.encoding.records(name, text, extra)
 
 
@@ -173,7 +170,7 @@ def open_textfolder(root: str, opts: SourceOptions) -> Source:
         )
     ids = {name: i for i, name in enumerate(class_names)}
     files = {
-        s: sorted((rel, None, ids[c], st.st_size, 0) for c, fs in classes.items() for rel, st in fs)
+        s: sorted((rel, None, ids[c], st.st_size) for c, fs in classes.items() for rel, st in fs)
         for s, classes in listing.items()
     }
     if not any(files.values()):
@@ -181,7 +178,7 @@ def open_textfolder(root: str, opts: SourceOptions) -> Source:
     stats = sorted(
         [rel, size, os.stat(os.path.join(root, rel)).st_mtime_ns]
         for fs in files.values()
-        for rel, _, _, size, _ in fs
+        for rel, _, _, size in fs
     )
     if "" in files:
         items = _split(files[""], opts)
@@ -236,8 +233,8 @@ def _jsonl_label_field(path: str, lines: list[tuple[int, dict]], given: str) -> 
 
 
 def open_csv_text(path: str, opts: SourceOptions) -> Source:
-    """A CSV with a text column: the text is tokenised; the label column holds the classes
-    (none: ``--task=lm``); any other columns are numbers, stored as the vector ``features``."""
+    """A CSV with a text column, tokenised, and the label column holding the classes (none:
+    ``--task=lm``). Other columns are refused: tfspeed's text models take tokens only."""
     t, rows = _text(opts), tables._read_csv(path)
     if len(rows) < 2:
         raise UsageError(f"CSV {path} is empty; it needs a header row and at least one data row")
@@ -247,10 +244,16 @@ def open_csv_text(path: str, opts: SourceOptions) -> Source:
             f"CSV {path} has no text column {t.text_column!r} (columns: "
             f"{', '.join(header)}); pass --text_column=NAME"
         )
-    labelled = opts.label_column in header and opts.task != "lm"
     others = [c for c in header if c not in (t.text_column, opts.label_column)]
-    items, numbers = [], []
-    for row, (line, cells) in enumerate(rows[1:], start=1):
+    if others:
+        raise UsageError(
+            f"CSV {path} has columns besides the text and label ({', '.join(others)}): text "
+            "records hold tokens and a label only; drop them from the file, or name the label "
+            "column with --label_column=NAME"
+        )
+    labelled = opts.label_column in header and opts.task != "lm"
+    items = []
+    for line, cells in rows[1:]:
         if len(cells) != len(header):
             raise UsageError(
                 f"CSV {path} line {line} has {len(cells)} cells, the header has "
@@ -264,26 +267,13 @@ def open_csv_text(path: str, opts: SourceOptions) -> Source:
                 "every row needs a label (or pass --task=lm)"
             )
         items.append((f"line {line}", cell[t.text_column], label))
-        numbers.append(
-            [
-                tables._number(
-                    cell[c],
-                    c,
-                    f"row {row} (line {line})",
-                    path,
-                    "every column but the text and label columns",
-                )
-                for c in others
-            ]
-        )
     y, class_names = tables._encode_labels([lab for _, _, lab in items]) if labelled else ([], ())
     items = [(name, text, int(y[i]) if labelled else -1) for i, (name, text, _) in enumerate(items)]
-    extra = {"features": np.asarray(numbers, np.float32)} if others else {}
-    options = {"text_column": t.text_column, "label_column": opts.label_column, "columns": others}
+    options = {"text_column": t.text_column, "label_column": opts.label_column}
     column = opts.label_column
     labels = Labels(class_names, f"on column {column!r}" if column in header else "",
                     f"no column {column!r}", "--label_column=NAME to classify")
-    return text_source(_split(items, opts), labels, file_identity(path), options, opts, extra=extra)
+    return text_source(_split(items, opts), labels, file_identity(path), options, opts)
 
 
 def open_pystdlib(arg: str, opts: SourceOptions) -> Source:
@@ -308,23 +298,21 @@ def text_source(
     opts: SourceOptions,
     *,
     root: str = "",
-    extra: dict | None = None,
 ) -> Source:
     """The `Source` over text ``items``, its tokeniser made (trained on the train split).
 
     Args:
-      items: split -> ``[(name, text or None, label, size, row)]``, each split in record
-        order; ``text`` None reads the file ``root/name`` (in the workers); ``size`` is the
-        text's size, ``row`` the item's row in ``extra``.
+      items: split -> ``[(name, text or None, label, size)]``, each split in record order;
+        ``text`` None reads the file ``root/name`` (in the workers); ``size`` is the text's
+        size.
       labels: the classes (none: a language model) and where they come from.
       identity: the content identity of what the items were read from.
       options: the kind's own record-shaping options.
       opts: the converter options (``opts.text`` the text ones).
       root: the folder of file items.
-      extra: more features, name -> array with one row per item (by the item's row index).
 
     Returns:
-      The `Source`: ``tokens`` (and ``label``, ``features``) per record. Its ``text``
+      The `Source`: ``tokens`` (and ``label``) per record. Its ``text``
       section's ``task_note`` says which task was chosen, from what, and how to choose
       the other (the converter's summary line shows it).
     """
@@ -355,20 +343,15 @@ def text_source(
         tok.special_ids["bos"],
         tok.special_ids["eos"],
     )
-    arrays = {k: np.asarray(v) for k, v in (extra or {}).items()}
-    rows = {s: np.asarray([it[4] for it in v], np.int64) for s, v in items.items()}
-
     def make_chunk(split: str, start: int, stop: int, storage=None) -> Chunk:
         chosen = tuple(tuple(it[:3]) for it in items[split][start:stop])
-        sliced = {k: a[rows[split][start:stop]] for k, a in arrays.items()}
-        return TextChunk(chosen, encoding, root, sliced)
+        return TextChunk(chosen, encoding, root)
 
-    features = [TOKENS, *(Feature(k, "float32", a.shape[1:], "float") for k, a in arrays.items())]
-    features += [LABEL] if task != "lm" else []
+    features = [TOKENS] if task == "lm" else [TOKENS, LABEL]
     section = {"task": task, "tokenizer": tok.to_json(), "max_length": t.max_length, "long": t.long}
     return Source(
         features=tuple(features),
-        inputs="tokens" if not arrays else ("tokens", *arrays),
+        inputs="tokens",
         class_names=tuple(labels.names) if task != "lm" else (),
         splits={s: len(v) for s, v in items.items()},
         split_bytes={s: sum(_size(it) for it in v) for s, v in items.items()},
@@ -383,7 +366,6 @@ def text_source(
             "seed": opts.seed,
         },
         make_chunk=make_chunk,
-        stats={k: standardize_stats(a[rows["train"]]) for k, a in arrays.items()},
         text={**section, "task_note": labels.task_note(task, opts.task)},
         files={tok.file: tok.data},
     )
@@ -427,8 +409,8 @@ def _text(opts: SourceOptions) -> TextOptions:
 
 def _split(items: list, opts: SourceOptions) -> dict[str, list]:
     """Splits split-less items by a seeded permutation (after ``--max_items`` sampling)."""
-    # (name, text, label) gets its size and row; file items come with them.
-    items = [it if len(it) == 5 else (*it, len(it[1]), i) for i, it in enumerate(items)]
+    # (name, text, label) gets its size; file items come with it.
+    items = [it if len(it) == 4 else (*it, len(it[1])) for it in items]
     n = _text(opts).max_items
     if n and n < len(items):  # a seeded sample, kept in source order
         keep = np.sort(np.random.default_rng(opts.seed).permutation(len(items))[:n])
