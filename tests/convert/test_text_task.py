@@ -118,3 +118,25 @@ def test_csv_text_with_other_columns_is_refused(tmp_path, capsys):
                    "records hold tokens and a label only; drop them from the file, or name the "
                    "label column with --label_column=NAME"]
     assert not (tmp_path / "out" / "schema.json").exists()
+
+
+def test_max_length_errors_name_the_task_being_converted(tmp_path, capsys):
+    for i, (text, label) in enumerate(labelled_paragraphs(2)):
+        (tmp_path / "folder" / label).mkdir(parents=True, exist_ok=True)
+        (tmp_path / "folder" / label / f"{i}.txt").write_text(text)
+    folder = f"--source=textfolder:{tmp_path / 'folder'}"
+    unlabelled = write_jsonl(tmp_path / "plain.jsonl",
+                             [{"text": t} for t, _ in labelled_paragraphs(2)])
+    lm = "a language-model record needs bos and a token"
+    cases = [
+        ([folder, "--max_length=1"], "error: --max_length=1: must be >= 2 (or 0 = no limit): a "
+         "record of 1 token holds too little of a text to classify; e.g. --max_length=512"),
+        ([folder, "--max_length=1", "--task=lm"],
+         f"error: --max_length=1: must be >= 2 (or 0 = no limit): {lm}"),
+        ([unlabelled, "--max_length=1"],  # no labels: a language model, though not asked for
+         f"error: --max_length=1: must be >= 2 (or 0 = no limit): {lm}"),
+        ([folder, "--max_length=-5"], "error: --max_length=-5: must be >= 2, or 0 = no limit"),
+    ]
+    for args, message in cases:
+        status, _, err = converter(capsys, *args, f"--output={tmp_path / 'o'}")
+        assert status == 2 and err == [message]

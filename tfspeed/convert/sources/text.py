@@ -318,6 +318,11 @@ def text_source(
     """
     t = _text(opts)
     task = "lm" if opts.task == "lm" or not labels.names else "classification"
+    if t.max_length == 1:  # checked here, where the task is known (a jsonl: may be either)
+        why = ("a language-model record needs bos and a token" if task == "lm" else
+               "a record of 1 token holds too little of a text to classify; e.g. "
+               "--max_length=512")
+        raise UsageError(f"--max_length=1: must be >= 2 (or 0 = no limit): {why}")
     items = {s: items[s] for s in ordered_splits(items) if items[s]}
     if "train" not in items:
         raise UsageError(
@@ -388,8 +393,6 @@ def check_options(kind: str, spec: str, opts: SourceOptions) -> None:
             )
         return
     problems = [
-        (t.max_length and t.max_length < 2, f"--max_length={t.max_length}: must be >= 2 (or 0 "
-         "= no limit): a language-model record needs bos and a token"),
         (t.max_length < 0, f"--max_length={t.max_length}: must be >= 2, or 0 = no limit"),
         (t.long not in long_texts.POLICIES, f"--long={t.long}: use one of "
          f"{', '.join(long_texts.POLICIES)}"),
