@@ -219,7 +219,7 @@ def test_csv_text_column(tmp_path):
     assert all(set(r) == {"tokens", "label"} and len(r["tokens"]) > 5 for r in rows)
 
 
-def test_user_tokenizer_json_and_sentencepiece(tmp_path):
+def test_user_tokenizer_json_and_sentencepiece(tmp_path, caplog):
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
     corpus = tmp_path / "c.jsonl"
@@ -260,9 +260,15 @@ def test_user_tokenizer_json_and_sentencepiece(tmp_path):
     (tmp_path / "sp.model").write_bytes(model.getvalue())
     sp = spm.SentencePieceProcessor(model_proto=model.getvalue())
     out = str(tmp_path / "sp")
+    caplog.clear()
     result = convert(
         f"jsonl:{corpus}", out, shards=2, text=TextOptions(tokenizer=str(tmp_path / "sp.model"))
     )
+    # No pad: one warning, as the converter's other warnings (absl logging).
+    assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == [
+        f"--tokenizer={tmp_path / 'sp.model'} has no pad token: padded batch positions hold id "
+        "0, which is the token '<unk>' here, so a model that masks id 0 (keras.layers.Embedding("
+        "mask_zero=True)) masks that token too (tfspeed's models read segment_ids instead)"]
     assert result.schema.text["tokenizer"]["kind"] == "sentencepiece"
     assert os.path.exists(os.path.join(out, "tokenizer.model"))
     got = {tuple(r["tokens"]) for s in result.schema.splits for r in records(out, s)}

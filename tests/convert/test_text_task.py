@@ -8,15 +8,16 @@ from pydoc_data.topics import topics
 
 import pytest
 
+from tests.conftest import token_records
 from tfspeed.convert import run
 from tfspeed.data import schema as schema_lib
 
 
-def labelled_paragraphs(classes: int = 8) -> list[tuple[str, str]]:
-    """Real labelled text: the paragraphs of the language reference's first topics, each
-    labelled by its topic."""
+def labelled_paragraphs(classes: int = 8, names=None) -> list[tuple[str, str]]:
+    """Real labelled text: the paragraphs of the language reference's first topics (or those
+    ``names``), each labelled by its topic."""
     found = []
-    for name in sorted(topics)[:classes]:
+    for name in names or sorted(topics)[:classes]:
         found += [(p.strip(), name) for p in topics[name].split("\n\n") if len(p.strip()) > 40]
     return found
 
@@ -140,3 +141,39 @@ def test_max_length_errors_name_the_task_being_converted(tmp_path, capsys):
     for args, message in cases:
         status, _, err = converter(capsys, *args, f"--output={tmp_path / 'o'}")
         assert status == 2 and err == [message]
+
+
+def test_a_tokenizer_without_special_tokens_is_warned_about(tmp_path, capsys):
+    """A user's tokenizer.json with no pad/unk/bos/eos: id 0 is a real token, and padded
+    batch positions hold id 0 too; one warning line says what that means."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    # Topics that use "!=": "!" is id 0 of a byte-level BPE without special tokens.
+    texts = labelled_paragraphs(names=[n for n in sorted(topics) if "!=" in topics[n]][:2])
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator([t for t, _ in texts], trainers.BpeTrainer(
+        vocab_size=400, special_tokens=[], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(tmp_path / "plain.json"))
+    first = tok.id_to_token(0)
+    for i, (text, label) in enumerate(texts):
+        (tmp_path / "folder" / label).mkdir(parents=True, exist_ok=True)
+        (tmp_path / "folder" / label / f"{i}.txt").write_text(text)
+    args = [f"--source=textfolder:{tmp_path / 'folder'}", f"--tokenizer={tmp_path / 'plain.json'}"]
+    status, out, err = converter(capsys, *args, f"--output={tmp_path / 'cls'}")
+    assert status == 0 and out.startswith("converted"), err
+    assert len(err) == 1 and err[0].startswith("W"), err
+    assert err[0].endswith(
+        f"--tokenizer={tmp_path / 'plain.json'} has no pad, unk, bos, eos token: padded batch "
+        f"positions hold id 0, which is the token {first!r} here, so a model that masks id 0 "
+        "(keras.layers.Embedding(mask_zero=True)) masks that token too (tfspeed's models read "
+        "segment_ids instead); --task=lm needs bos and eos")
+    ids = {i for split in ("train", "validation")
+           for r in token_records(str(tmp_path / "cls"), split) for i in r["tokens"]}
+    assert 0 in ids  # id 0 is real text here
+
+    # --task=lm cannot do without bos and eos: the one-line error, no warning before it.
+    status, out, err = converter(capsys, *args, "--task=lm", f"--output={tmp_path / 'lm'}")
+    assert status == 2 and len(err) == 1 and err[0].startswith("error: --tokenizer=")

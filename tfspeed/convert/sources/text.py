@@ -17,6 +17,7 @@ import os
 from collections.abc import Iterator
 
 import numpy as np
+from absl import logging
 
 from tfspeed.convert import tokenizer as tokenizer_lib
 from tfspeed.convert.sources import images, pystdlib, tables
@@ -340,6 +341,8 @@ def text_source(
             f"--tokenizer={t.tokenizer} has no bos/eos token (looked for "
             "<bos>/<s>, <eos>/</s>), which --task=lm adds to each text; use bpe:N"
         )
+    if warning := tokenizer_lib.missing_specials(tok):
+        logging.warning("%s", warning)
     encoding = Encoding(
         tok.ref(t.data_dir),
         task,
