@@ -15,7 +15,8 @@ Kinds: ``imagefolder:PATH``, ``csv:PATH``, ``npz:PATH``, ``tfds:NAME``, ``digits
   images.py    imagefolder, digits
   tables.py    csv, npz
   tfds.py      tfds
-  text.py      textfolder, jsonl, csv with a text column, pystdlib: tokenised in the chunks
+  text.py      textfolder, pystdlib, and what every text source shares: tokenised in the chunks
+  text_tables.py  jsonl, csv with a text column
   lengths.py   token ids and skipped texts as chunks yield them; token counts per shard, split
   pystdlib.py  the pystdlib corpus: Python's standard library, one text per function/class
 """
@@ -43,7 +44,8 @@ from tfspeed.convert.sources.images import (
     open_imagefolder,
 )
 from tfspeed.convert.sources.tables import open_csv, open_npz
-from tfspeed.convert.sources.text import open_csv_text, open_jsonl, open_pystdlib, open_textfolder
+from tfspeed.convert.sources.text import open_pystdlib, open_textfolder
+from tfspeed.convert.sources.text_tables import open_csv_text, open_jsonl
 from tfspeed.convert.sources.tfds import TfdsChunk, open_tfds
 from tfspeed.errors import UsageError
 

@@ -1,18 +1,18 @@
-"""Text sources: ``textfolder:PATH``, ``jsonl:PATH``, ``csv:PATH`` with ``--text_column``, and
-``pystdlib[:CLASSES]`` (Python's own standard library source, `pystdlib`).
+"""Text sources: ``textfolder:PATH`` and ``pystdlib[:CLASSES]`` (Python's own standard library
+source, `pystdlib`) here, ``jsonl:PATH`` and ``csv:PATH`` with ``--text_column`` in
+`text_tables`; and what they share: `text_source`, the chunks, the options' checks.
 
 Each item is tokenised in the chunks, so in the writer workers, with a tokeniser trained or
 loaded here, in the parent (`tfspeed.convert.tokenizer`). A record holds ``tokens`` (int64
 ids, variable length) and, for classification, ``label``; for ``--task=lm`` only ``tokens``,
 between the tokeniser's bos and eos. Texts over ``--max_length`` tokens are truncated, split
-into several records or skipped (``--long``, as `tfspeed.data.long_texts` says). Items that are no text (not UTF-8, NUL bytes,
-empty) are skipped and counted, like undecodable images.
+into several records or skipped (``--long``, as `tfspeed.data.long_texts` says). Items that
+are no text (not UTF-8, NUL bytes, empty) are skipped and counted, like undecodable images.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from collections.abc import Iterator
 
@@ -20,7 +20,7 @@ import numpy as np
 from absl import logging
 
 from tfspeed.convert import tokenizer as tokenizer_lib
-from tfspeed.convert.sources import images, pystdlib, tables
+from tfspeed.convert.sources import images, pystdlib
 from tfspeed.convert.sources.base import (
     LABEL,
     Chunk,
@@ -29,7 +29,6 @@ from tfspeed.convert.sources.base import (
     SourceOptions,
     TextOptions,
     content_hash,
-    file_identity,
     ordered_splits,
     train_validation,
 )
@@ -40,7 +39,6 @@ from tfspeed.errors import UsageError
 
 TOKENS = Feature("tokens", "int64", (None,), "tokens")
 KINDS = ("textfolder", "jsonl", "pystdlib")
-LABEL_FIELD = "label"  # the JSON field a jsonl: source's classes are taken from unless named
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,99 +180,13 @@ def open_textfolder(root: str, opts: SourceOptions) -> Source:
         for rel, _, _, size in fs
     )
     if "" in files:
-        items = _split(files[""], opts)
+        items = split_items(files[""], opts)
     else:
         items = {
             s: [fs[i] for i in images._shuffled(len(fs), opts.seed, s)] for s, fs in files.items()
         }
     labels = Labels(class_names, "by folder")
     return text_source(items, labels, content_hash(stats), {}, opts, root=root)
-
-
-def open_jsonl(path: str, opts: SourceOptions) -> Source:
-    """One JSON object per line: the text in ``--text_field``; the label in ``--label_field``,
-    else in ``label`` where every line has one (else no labels: ``--task=lm``)."""
-    t = _text(opts)
-    lines = list(_json_lines(path))
-    texts = []
-    for line_no, obj in lines:
-        text = obj.get(t.text_field) if isinstance(obj, dict) else None
-        if not isinstance(text, str):
-            raise UsageError(
-                f"{path} line {line_no} has no string field {t.text_field!r}; "
-                "every line needs one (or pass --text_field=NAME)"
-            )
-        texts.append(text)
-    field, labels = _jsonl_label_field(path, lines, t.label_field)
-    y, names = tables._encode_labels([str(obj[field]) for _, obj in lines]) if field else ([], ())
-    base = os.path.basename(path)
-    items = [(f"{base}:{i}", text, int(y[i - 1]) if field else -1)
-             for i, text in enumerate(texts, start=1)]
-    options = {"text_field": t.text_field, "label_field": field}
-    labels = dataclasses.replace(labels, names=tuple(names))
-    return text_source(_split(items, opts), labels, file_identity(path), options, opts)
-
-
-def _jsonl_label_field(path: str, lines: list[tuple[int, dict]], given: str) -> tuple[str, Labels]:
-    """The field holding a jsonl source's labels ("" for none), and where they come from."""
-    for line_no, obj in lines if given else ():
-        if obj.get(given) in (None, ""):
-            raise UsageError(
-                f"{path} line {line_no} has no label {given!r}; every "
-                "line needs one, or drop --label_field (for --task=lm)"
-            )
-    field = given or LABEL_FIELD
-    labelled = sum(obj.get(field) not in (None, "") for _, obj in lines)
-    if labelled == len(lines):
-        return field, Labels((), f"on field {field!r}")
-    if labelled:  # a language model, as without any label, but never silently
-        return "", Labels((), "", f"field {field!r} on {labelled} of {len(lines)} lines only",
-                          f"--label_field={field} to classify (every line needs one)")
-    return "", Labels((), "", "no label field", "--label_field=NAME to classify")
-
-
-def open_csv_text(path: str, opts: SourceOptions) -> Source:
-    """A CSV with a text column, tokenised, and the label column holding the classes (none:
-    ``--task=lm``). Other columns are refused: tfspeed's text models take tokens only."""
-    t, rows = _text(opts), tables._read_csv(path)
-    if len(rows) < 2:
-        raise UsageError(f"CSV {path} is empty; it needs a header row and at least one data row")
-    header = [c.strip() for c in rows[0][1]]
-    if t.text_column not in header:
-        raise UsageError(
-            f"CSV {path} has no text column {t.text_column!r} (columns: "
-            f"{', '.join(header)}); pass --text_column=NAME"
-        )
-    others = [c for c in header if c not in (t.text_column, opts.label_column)]
-    if others:
-        raise UsageError(
-            f"CSV {path} has columns besides the text and label ({', '.join(others)}): text "
-            "records hold tokens and a label only; drop them from the file, or name the label "
-            "column with --label_column=NAME"
-        )
-    labelled = opts.label_column in header and opts.task != "lm"
-    items = []
-    for line, cells in rows[1:]:
-        if len(cells) != len(header):
-            raise UsageError(
-                f"CSV {path} line {line} has {len(cells)} cells, the header has "
-                f"{len(header)}; fix that row (quote texts that hold commas)"
-            )
-        cell = dict(zip(header, cells, strict=True))
-        label = cell[opts.label_column].strip() if labelled else ""
-        if labelled and not label:
-            raise UsageError(
-                f"CSV {path} line {line} has an empty {opts.label_column!r}; "
-                "every row needs a label (or pass --task=lm)"
-            )
-        items.append((f"line {line}", cell[t.text_column], label))
-    y, class_names = tables._encode_labels([lab for _, _, lab in items]) if labelled else ([], ())
-    items = [(name, text, int(y[i]) if labelled else -1) for i, (name, text, _) in enumerate(items)]
-    options = {"text_column": t.text_column, "label_column": opts.label_column}
-    column = opts.label_column
-    labels = Labels(class_names, f"on column {column!r}" if column in header else "",
-                    f"no column {column!r}", "--label_column=NAME to classify")
-    return text_source(_split(items, opts), labels, file_identity(path), options, opts)
 
 
 def open_pystdlib(arg: str, opts: SourceOptions) -> Source:
@@ -285,7 +197,7 @@ def open_pystdlib(arg: str, opts: SourceOptions) -> Source:
     ids = {name: i for i, name in enumerate(classes)}
     items = [(name, text, ids[label]) for name, text, label in texts]
     labels = Labels(classes, "by package")
-    return text_source(_split(items, opts), labels, identity, {"classes": list(classes)}, opts)
+    return text_source(split_items(items, opts), labels, identity, {"classes": list(classes)}, opts)
 
 
 # ---------------------------------------------------------------- shared
@@ -317,7 +229,7 @@ def text_source(
       section's ``task_note`` says which task was chosen, from what, and how to choose
       the other (the converter's summary line shows it).
     """
-    t = _text(opts)
+    t = text_options(opts)
     task = "lm" if opts.task == "lm" or not labels.names else "classification"
     if t.max_length == 1:  # checked here, where the task is known (a jsonl: may be either)
         why = ("a language-model record needs bos and a token" if task == "lm" else
@@ -381,7 +293,7 @@ def text_source(
 
 def check_options(kind: str, spec: str, opts: SourceOptions) -> None:
     """Raises a one-line UsageError for text options that are wrong or that ``kind`` ignores."""
-    t = _text(opts)
+    t = text_options(opts)
     is_text = kind in KINDS or (kind == "csv" and t.text_column)
     if not is_text:
         given = [
@@ -409,15 +321,15 @@ def check_options(kind: str, spec: str, opts: SourceOptions) -> None:
             raise UsageError(message)
 
 
-def _text(opts: SourceOptions) -> TextOptions:
+def text_options(opts: SourceOptions) -> TextOptions:
     return opts.text or TextOptions()
 
 
-def _split(items: list, opts: SourceOptions) -> dict[str, list]:
+def split_items(items: list, opts: SourceOptions) -> dict[str, list]:
     """Splits split-less items by a seeded permutation (after ``--max_items`` sampling)."""
     # (name, text, label) gets its size; file items come with it.
     items = [it if len(it) == 4 else (*it, len(it[1])) for it in items]
-    n = _text(opts).max_items
+    n = text_options(opts).max_items
     if n and n < len(items):  # a seeded sample, kept in source order
         keep = np.sort(np.random.default_rng(opts.seed).permutation(len(items))[:n])
         items = [items[i] for i in keep]
@@ -436,21 +348,3 @@ def _train_text(root: str, item: tuple) -> str | None:
 def _size(item: tuple) -> int:
     # A token takes ~3.5 bytes of text and 2 of a record.
     return item[3] * 2 // 3 + 32
-
-
-def _json_lines(path: str) -> Iterator[tuple[int, object]]:
-    """``(line number, object)`` of each non-blank line; a UsageError names a bad one."""
-    try:
-        with open(path, encoding="utf-8-sig") as f:
-            lines = list(f)
-    except (OSError, UnicodeDecodeError) as e:
-        raise UsageError(f"cannot read {path}: {e}; pass a UTF-8 file of JSON lines") from None
-    for line_no, line in enumerate(lines, start=1):
-        if line.strip():
-            try:
-                yield line_no, json.loads(line)
-            except json.JSONDecodeError as e:
-                raise UsageError(
-                    f"{path} line {line_no} is not JSON ({e.msg}, column {e.colno}); "
-                    "each line must be one JSON object"
-                ) from None
