@@ -12,9 +12,10 @@
 
 Sources: imagefolder:PATH, csv:PATH, npz:PATH, tfds:NAME (prepared in --tfds_data_dir), digits.
 Text sources: textfolder:PATH (PATH/[<split>/]<class>/<one UTF-8 text per file>), jsonl:PATH
-(--text_field, --label_field), csv:PATH with --text_column, and pystdlib[:PACKAGES] (Python's
+(--text_field, --label_field), csv:PATH with --text_column, pystdlib[:PACKAGES] (Python's
 standard library source, one text per top-level function or class, its package the class: a
-real corpus that needs no download). Texts are tokenised once, here, by the worker processes;
+real corpus that needs no download) and pydocstrings[:PACKAGES] (the same packages' docstrings,
+one short text per documented function, class or method). Texts are tokenised once, here, by the worker processes;
 records hold `tokens` (int64 ids, any length) and `label`, or only `tokens` with --task=lm
 (between bos and eos). Files that are not UTF-8 text, binary files and empty texts are skipped
 and counted in schema.json; so are texts over --max_length with --long=skip.

@@ -2,7 +2,7 @@
 
 Sources: imagefolder:PATH, csv:PATH, npz:PATH, tfds:NAME (prepared in --tfds_data_dir), digits;
 text (tokenised here, see `tfspeed.convert.sources.text`): textfolder:PATH, jsonl:PATH, csv:PATH
-with a text column, pystdlib.
+with a text column, pystdlib, pydocstrings.
 Rerunning an interrupted conversion resumes it; rerunning a finished one returns at once.
 The command line over it is `tfspeed.convert.cli`.
 """

@@ -37,7 +37,7 @@ class SourceOptions:
     tfds_data_dir: str | None = None
     task: str = "classification"
     named_columns: bool = False
-    text: TextOptions | None = None  # text sources (textfolder, jsonl, csv text, pystdlib)
+    text: TextOptions | None = None  # text sources (textfolder, jsonl, csv text, pystdlib, ...)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,6 +1,7 @@
-"""Text sources: ``textfolder:PATH`` and ``pystdlib[:CLASSES]`` (Python's own standard library
-source, `pystdlib`) here, ``jsonl:PATH`` and ``csv:PATH`` with ``--text_column`` in
-`text_tables`; and what they share: `text_source`, the chunks, the options' checks.
+"""Text sources: ``textfolder:PATH``, ``pystdlib[:CLASSES]`` (Python's own standard library
+source, `pystdlib`) and ``pydocstrings[:CLASSES]`` (its docstrings, `pydocstrings`) here,
+``jsonl:PATH`` and ``csv:PATH`` with ``--text_column`` in `text_tables`; and what they share:
+`text_source`, the chunks, the options' checks.
 
 Each item is tokenised in the chunks, so in the writer workers, with a tokeniser trained or
 loaded here, in the parent (`tfspeed.convert.tokenizer`). A record holds ``tokens`` (int64
@@ -20,7 +21,7 @@ import numpy as np
 from absl import logging
 
 from tfspeed.convert import tokenizer as tokenizer_lib
-from tfspeed.convert.sources import images, pystdlib
+from tfspeed.convert.sources import images, pydocstrings, pystdlib
 from tfspeed.convert.sources.base import (
     LABEL,
     Chunk,
@@ -38,7 +39,7 @@ from tfspeed.data.schema import Feature
 from tfspeed.errors import UsageError
 
 TOKENS = Feature("tokens", "int64", (None,), "tokens")
-KINDS = ("textfolder", "jsonl", "pystdlib")
+KINDS = ("textfolder", "jsonl", "pystdlib", "pydocstrings")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,8 +193,20 @@ def open_textfolder(root: str, opts: SourceOptions) -> Source:
 def open_pystdlib(arg: str, opts: SourceOptions) -> Source:
     """Python's standard library: one text per top-level function or class, its package the
     class; ``pystdlib:asyncio,json`` takes only those packages (see `pystdlib.CLASSES`)."""
+    return _package_corpus(arg, opts, pystdlib.corpus)
+
+
+def open_pydocstrings(arg: str, opts: SourceOptions) -> Source:
+    """The standard library's docstrings: one text per documented function, class or method,
+    its package the class; ``pydocstrings:asyncio,json`` takes only those packages."""
+    return _package_corpus(arg, opts, pydocstrings.corpus)
+
+
+def _package_corpus(arg: str, opts: SourceOptions, corpus) -> Source:
+    """A corpus of the standard library packages ``arg`` names (all of `pystdlib.CLASSES` if
+    none), labelled by package; ``corpus(classes)`` gives its texts and identity."""
     classes = tuple(c for c in arg.split(",") if c) or pystdlib.CLASSES
-    texts, identity = pystdlib.corpus(classes)
+    texts, identity = corpus(classes)
     ids = {name: i for i, name in enumerate(classes)}
     items = [(name, text, ids[label]) for name, text, label in texts]
     labels = Labels(classes, "by package")
@@ -304,7 +317,7 @@ def check_options(kind: str, spec: str, opts: SourceOptions) -> None:
         if given or opts.task == "lm":
             raise UsageError(
                 f"{(given or ['--task=lm'])[0]} is for text sources (textfolder:, "
-                f"jsonl:, pystdlib, csv: with --text_column), not --source={spec}"
+                f"jsonl:, pystdlib, pydocstrings, csv: with --text_column), not --source={spec}"
             )
         return
     problems = [
