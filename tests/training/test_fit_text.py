@@ -91,10 +91,10 @@ def test_fit_takes_training_datasets_of_every_batching_with_steps(text_dirs, mas
     assert 0 <= report["eval_metrics"]["accuracy"] <= 1
 
 
-def test_fit_takes_a_finite_bucketed_dataset_as_it_comes(text_dirs, masked, tmp_path):
+def test_fit_takes_a_finite_bucketed_dataset_as_it_comes(short_texts, masked, tmp_path):
     """Bucketed batches differ in rows and width: one epoch of them, never rebatched."""
     module, _ = masked
-    data = text_dirs["classification"]
+    data = short_texts
     train = tfspeed.data.build(data, "train", 16, batching="bucket")  # finite, not shuffled
     batches = list(train)
     assert len({tuple(x["tokens"].shape) for x, _ in batches}) > 1

@@ -41,6 +41,7 @@ from tfspeed.training.engine_state import (  # noqa: F401 -- EngineOptions re-ex
     EngineState,
     check_arguments,
     ensure_cpu_devices,
+    fill_empty_rows,
     sparse_accuracy,
     token_counts,
 )
@@ -225,6 +226,8 @@ class Engine:
         """This replica's summed per-example loss, regularisation loss, summed per-example
         metrics (a vector, in ``metric_names`` order) and example count (weighted: the sum
         of the weights)."""
+        if self.weighted:
+            x = fill_empty_rows(x, y["weight"])
         outputs = tf.cast(self.model(self._preprocess(x), training=training), tf.float32)
         per_example = tf.cast(self._loss_fn(y, outputs), tf.float32)
         if not self.weighted and per_example.shape.rank != 1:

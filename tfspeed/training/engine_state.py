@@ -125,6 +125,26 @@ def token_counts(x) -> tf.Tensor:
                      tf.math.count_nonzero(starts)])
 
 
+def fill_empty_rows(x, weight):
+    """Token batches: the inputs of each row that holds no sequence (all its weights 0: the
+    rows that fill a last evaluation batch, a replica's share of one) replaced by the
+    batch's first real row. Their weight keeps them out of loss, metrics and gradients; the
+    model never sees an empty row, on which a Keras model that masks padding and averages
+    (``Embedding(mask_zero=True)``, ``GlobalAveragePooling1D``) divides 0 by 0, a NaN that
+    a zero weight cannot cancel in the backward pass. One select per input; shapes kept."""
+    rows = tf.shape(weight)[0]
+    real = tf.reduce_any(tf.reshape(weight, [rows, -1]) > 0, axis=1)
+    first = tf.argmax(tf.cast(real, tf.int32), output_type=tf.int32)  # 0 when none is real
+
+    def fill(t):
+        if t.shape.rank is None or t.shape.rank == 0:
+            return t
+        keep = tf.reshape(real, tf.concat([[rows], tf.ones([t.shape.rank - 1], tf.int32)], 0))
+        return tf.where(keep, t, t[first][None])
+
+    return tf.nest.map_structure(fill, x)
+
+
 def sparse_accuracy(labels, outputs):
     """1.0 where the arg-max of the outputs (logits or probabilities) equals the label."""
     labels = tf.reshape(tf.cast(labels, tf.int64), [-1])  # [B] or [B, 1]
