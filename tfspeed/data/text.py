@@ -348,8 +348,8 @@ def batch(ds, batching: Batching, *, training: bool, longest: int, num_pipelines
     import tensorflow as tf
 
     t, drop = batching.max_length, training
-    if longest > t and batching.mode != "pack":  # pack applies the policy while packing
-        ds = sequences.apply_long(ds, t, batching.long, PACK_WINDOW, deterministic)
+    if longest > t:  # per sequence, before windows are padded to their longest
+        ds = sequences.apply_long(ds, t, batching.long, deterministic)
     if batching.mode == "pack":
         rows = batching.rows_per_batch // num_pipelines
         ds = sequences.pack(ds, t, rows, window=PACK_WINDOW, max_segments=batching.max_segments,
