@@ -180,16 +180,17 @@ def text_dirs(tmp_path_factory) -> dict[str, str]:
 
 @pytest.fixture(scope="session")
 def short_texts(tmp_path_factory) -> str:
-    """Short human-written prose: the docstrings of Python's json, logging, unittest and
-    email packages (the built-in ``pydocstrings`` corpus: median ~20 BPE tokens, a few of
-    hundreds), classified by package. Unlike the code of ``text_dirs``: lengths from 1 token
-    to hundreds, most under 40, where padding and attention weigh differently."""
+    """Short human-written prose: the docstrings of Python's tkinter, multiprocessing and
+    importlib packages (the built-in ``pydocstrings`` corpus), classified by package, with
+    a 2,000-id BPE: 1,167 train texts of median 19 tokens (mean 36, p90 77, max 791).
+    Unlike the code of ``text_dirs``: most under 40 tokens, a few of hundreds, where padding
+    and attention weigh differently."""
     from tfspeed.convert import convert
     from tfspeed.convert.sources.base import TextOptions
 
     out = tmp_path_factory.mktemp("short_texts") / "data"
-    convert("pydocstrings:json,logging,unittest,email", str(out), shards=4,
-            text=TextOptions(tokenizer="bpe:300"))
+    convert("pydocstrings:tkinter,multiprocessing,importlib", str(out), shards=4,
+            text=TextOptions(tokenizer="bpe:2000"))
     return str(out)
 
 

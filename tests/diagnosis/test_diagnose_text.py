@@ -112,3 +112,16 @@ def test_packed_batches_have_little_padding_and_no_batching_advice(stdlib_corpus
     per_step = {k: written["examples_per_sec"][k] * ms[k] / 1000
                 for k in ("compute_alone", "together")}
     assert 0.5 < per_step["compute_alone"] / per_step["together"] < 2, per_step
+
+
+def test_short_texts_in_long_packed_rows_name_their_attention_waste(short_texts, tmp_path):
+    """Docstrings of ~20 tokens packed into rows as long as the longest (hundreds): under 10%
+    padding, yet each token attends over the whole row. diagnose names that waste, and the
+    batching that computes less, which padding figures alone would never show."""
+    _, written = _diagnose(short_texts, tmp_path, "pack")
+    batching = written["batching"]
+    assert written["padding_fraction"] < 0.10 and batching["mode"] == "pack"
+    assert batching["costs"]["pack"] > 2 * batching["costs"]["bucket"], batching["costs"]
+    advice = [s["advice"] for s in written["next_steps"] if "--batching=" in s["advice"]]
+    assert advice and "--batching=bucket" in advice[0], advice
+    assert f"each token attends over all {batching['max_length']} positions" in advice[0]

@@ -22,7 +22,7 @@ MASKED_MODEL = '''
 import keras
 
 
-def build(input_shape, num_outputs, vocab=300):
+def build(input_shape, num_outputs, vocab=2000):
     tokens = keras.Input((None,), dtype="int32", name="tokens")
     segment_ids = keras.Input((None,), dtype="int32", name="segment_ids")
     positions = keras.Input((None,), dtype="int32", name="positions")
