@@ -173,10 +173,12 @@ def test_sgd_through_the_pipeline_mirrored_and_accumulated_equals_one_big_batch(
         > 1e-3
 
 
-def test_bucketed_batches_compile_with_xla_at_most_once_per_bucket(short_texts, tmp_path):
+@pytest.mark.parametrize("mode", ["bucket", "pack"])
+def test_xla_compiles_the_step_once_per_shape(short_texts, tmp_path, mode):
     """XLA compiles per input shape, under one trace: the report's compiled_functions (1)
     cannot tell. XLA's own dump counts the step's compiled modules: at most one per bucket,
-    however many batches of each."""
+    however many batches of each, and one for packed rows (a strided slice whose start came
+    from the data once made XLA compile the step again for every batch)."""
     import json
     import subprocess
     import sys
@@ -188,7 +190,7 @@ def test_bucketed_batches_compile_with_xla_at_most_once_per_bucket(short_texts, 
     done = subprocess.run(
         [sys.executable, "-m", "tfspeed.train", f"--data_dir={short_texts}",
          f"--model_dir={run_dir}", "--model=transformer", "--width=16", "--depth=1",
-         "--heads=2", "--batching=bucket", "--xla=on", "--max_length=96",
+         "--heads=2", f"--batching={mode}", "--xla=on", "--max_length=96",
          "--batch_size=16", "--train_steps=30", "--eval_split=", "--steps_per_execution=1"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -197,4 +199,7 @@ def test_bucketed_batches_compile_with_xla_at_most_once_per_bucket(short_texts, 
     compiled = {p.name.split(".")[0] for p in dump.glob("*forward_backward*")
                 if p.name.endswith("before_optimizations.txt")}
     assert report["compiled_functions"] == 1  # one trace, whatever the shapes
-    assert 2 <= len(compiled) <= len(buckets), (sorted(compiled), buckets)
+    if mode == "pack":
+        assert len(compiled) == 1, sorted(compiled)
+    else:
+        assert 2 <= len(compiled) <= len(buckets), (sorted(compiled), buckets)
