@@ -90,7 +90,8 @@ def build(config: Config, schema, strategy, num_train: int, steps_per_epoch: int
 
     if placement.where == "device":
         train_input = ingraph.load(configs[data.train_split], schema, data.train_split,
-                                   global_batch_size=data.batch_size, device=device())
+                                   global_batch_size=data.batch_size, device=device(),
+                                   devices=getattr(strategy, "devices", None))
     else:
         train_input = dataset(data.train_split, True)
     return JobInput(train=train_input,
@@ -116,4 +117,7 @@ def device() -> str:
 
 
 def _scale_images(x):
-    return tf.cast(x, tf.float32) * (1 / 255)
+    """uint8 images to float32 in [0, 1], inside the compiled step (any backend)."""
+    import keras
+
+    return keras.ops.cast(x, "float32") * (1 / 255)

@@ -57,6 +57,7 @@ class Batching:
       long_counts: per split, what the long policy does to one pass
         (``tfspeed.data.long_texts.events``).
       mean_length: the train split's mean sequence (piece) length.
+      replicas: every global batch's sequences or rows are a multiple of this.
       measured: what ``--batching=auto`` timed (seconds per real token per mode), when it did.
     """
 
@@ -75,6 +76,7 @@ class Batching:
     attention_length: float | None = None
     long_counts: dict = dataclasses.field(default_factory=dict)
     mean_length: float = 0.0
+    replicas: int = 1
     measured: dict = dataclasses.field(default_factory=dict)
 
     def to_json(self) -> dict:
@@ -261,7 +263,7 @@ def resolve(config, schema, takes_segments: bool = False, replicas: int = 1,
         expected_padding=padding, costs=costs, attention_length=attention_length,
         long_counts={name: long_texts.events(np.arange(len(c)), t, config.long, weights=c)
                      for name, c in every.items()},
-        mean_length=round(mean, 2))
+        mean_length=round(mean, 2), replicas=replicas)
 
 
 def _cover(boundaries: list[int], every: dict, max_length: int, long: str) -> list[int]:
@@ -357,12 +359,15 @@ def batch(ds, batching: Batching, *, training: bool, longest: int, num_pipelines
         ds = ds if drop else ds.map(lambda x, y: _fill((x, y), rows))
     elif batching.mode == "bucket":
         tokens = batching.tokens_per_batch // num_pipelines
-        ds = sequences.bucket(ds, batching.boundaries, tokens, local_replicas, drop_remainder=drop,
+        # Multiples of the replicas this pipeline feeds, whether it cuts the batch for them
+        # (tf.distribute) or hands it on whole (the JAX engine shards it).
+        multiple = max(local_replicas, batching.replicas // num_pipelines)
+        ds = sequences.bucket(ds, batching.boundaries, tokens, multiple, drop_remainder=drop,
                               deterministic=deterministic)
         if not drop:
             edges = tf.constant(batching.boundaries, tf.int32)
             sizes = tf.constant(sequences.bucket_batch_sizes(batching.boundaries, tokens,
-                                                             local_replicas), tf.int32)
+                                                             multiple), tf.int32)
 
             def fill(x, y):
                 index = tf.argmax(tf.cast(edges == tf.shape(x["tokens"])[1], tf.int32))

@@ -23,8 +23,10 @@ import os
 import statistics
 import time
 
+import numpy as np
 from absl import logging
 
+from tfspeed.data import ingraph
 from tfspeed.errors import UsageError
 from tfspeed.runtime import hostmem
 
@@ -54,7 +56,7 @@ def measure(job, options: Options, out_dir: str) -> dict:
     from tfspeed.data import pipeline
 
     config, batch = job.config, job.config.data.batch_size
-    in_step = hasattr(job.train_data, "replica_batch")
+    in_step = ingraph.is_in_step(job.train_data)
     batching = job.input_report.get("batching")  # token records: sequences, not examples
     local = pipeline.build_from_config(job.train_data_config, config.data.train_split,
                                        training=True, schema=job.schema, batching=job.batching)
@@ -255,7 +257,7 @@ def _time_engine(engine, iterator, options: Options) -> Timing:
     token counts of the timed steps."""
     n = max(engine.options.steps_per_execution, 1)
     # Each call waits for its result, so the clock (and the time limit) sees whole steps.
-    _bounded(lambda: engine.train(iterator, n)["loss"].numpy(), max(options.warmup // n, 1),
+    _bounded(lambda: np.asarray(engine.train(iterator, n)["loss"]), max(options.warmup // n, 1),
              options.seconds)
     outs = []
     start = time.perf_counter()
@@ -270,19 +272,27 @@ def _time_engine(engine, iterator, options: Options) -> Timing:
 
 
 def _finished(out: dict) -> dict:
-    out["loss"].numpy()
+    np.asarray(out["loss"])
     return out
 
 
 def _profile(engine, iterator, steps: int, out_dir: str) -> dict:
     """(d): a profile of ``steps`` steps, each in its own call, read with xprof."""
+    import keras
+
     from tfspeed.diagnosis import profiling
 
+    if keras.backend.backend() == "jax":
+        # The capture and its step analysis are TensorFlow's profiler and xprof's reading
+        # of it; a JAX step does not show in them. The other figures are measured alike.
+        _say("profile: not on the JAX backend (TensorFlow's profiler does not see its step)")
+        return {"skipped": "not on the JAX backend: TensorFlow's profiler and xprof's step "
+                           "analysis do not see a JAX step; the other figures are measured"}
     _say("profile: %d steps, each in its own call", steps)
     # The first call of the one-step function traces it (and under XLA compiles it): made
     # here, outside the capture, or its seconds count as step time and input wait (xprof
     # once called a packed transformer's step 21% input-bound for it).
-    engine.train_one(iterator)["loss"].numpy()
+    np.asarray(engine.train_one(iterator)["loss"])
     # One edge step on each side of the window: xprof leaves the first and last it sees out.
     edge = profiling.EDGE_STEPS
     window = profiling.ProfileWindow(os.path.join(out_dir, "logs"), 1 + edge, steps + edge)
@@ -297,7 +307,7 @@ def _profile(engine, iterator, steps: int, out_dir: str) -> dict:
 
 def _batches(job):
     """What the engine trains on: the job's in-graph source, or an iterator over its data."""
-    return job.train_data if hasattr(job.train_data, "replica_batch") else iter(job.train_data)
+    return job.train_data if ingraph.is_in_step(job.train_data) else iter(job.train_data)
 
 
 def _stage_times(job, options: Options) -> dict[str, float]:
