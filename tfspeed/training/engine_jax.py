@@ -135,12 +135,13 @@ class JaxEngine:
             return self._outputs(self._state, totals, tokens, np.float32(0), np.float64(0))
         groups = _same_shapes(batches)
         # One shape (images, tables, packed or padded-to-fixed rows): the whole call in one
-        # program of `_slots(steps)` micro-steps (a power of two: calls of other lengths
-        # reuse it; its unused slots are not run). Measured 2x the steps/s of one dispatch
+        # program of `_slots` micro-steps (a power of two, or one compiled already: calls of
+        # other lengths reuse it; its unused slots are not run). Measured 2x the steps/s of one dispatch
         # per step for a small CNN on 2 cores (not benchmarked). Several shapes (buckets):
         # one program per batch, one compile per bucket. Everything a call reports is
         # computed inside them: an eager JAX op per call cost more than a small step.
-        runs = [(groups[0], _slots(steps))] if len(groups) == 1 else [([b], 1) for b in batches]
+        runs = ([(groups[0], self._slots(steps, _shape_key(groups[0][0])))]
+                if len(groups) == 1 else [([b], 1) for b in batches])
         for group, slots in runs:
             self._last_shape = _shape_key(group[0])
             self._signatures.add((self._last_shape, slots))
@@ -180,7 +181,13 @@ class JaxEngine:
         compiled (the trainer leaves calls that compile out of its throughput)."""
         if self._last_shape and self._last_shape[0] == "in-step":
             return self._last_shape in self._signatures
-        return (self._last_shape, _slots(steps)) in self._signatures
+        return (self._last_shape, self._slots(steps, self._last_shape)) in self._signatures
+
+    def _slots(self, steps: int, shape) -> int:
+        """Slots of the program for a call of ``steps`` on batches of ``shape``: the smallest
+        compiled one that holds them, else the next power of two (a new compile)."""
+        compiled = [slots for key, slots in self._signatures if key == shape and slots >= steps]
+        return min(compiled) if compiled else 1 << max(steps - 1, 0).bit_length()
 
     def train_one(self, iterator) -> dict:
         """One micro-step (the profiler's unit)."""
@@ -407,11 +414,6 @@ class _Placement:
         """Micro-batches of one shape, stacked along a new first axis and placed."""
         stacked = tree.map_structure(lambda *a: np.stack(a), *group)
         return jax.device_put(stacked, self.stacked)
-
-
-def _slots(steps: int) -> int:
-    """Micro-step slots of the program that runs a call of ``steps``: the next power of 2."""
-    return 1 << max(steps - 1, 0).bit_length()
 
 
 def _to_numpy(batch):

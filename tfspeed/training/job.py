@@ -216,8 +216,20 @@ def resolve_batching(config: Config, rt, schema):
     from tfspeed.training import models
 
     k = models.attention_length(config.model, schema.task, schema.num_outputs)
+    train = config.train
     return text.resolve(config.data, schema, models.takes_segments(config.model.name),
-                        rt.num_replicas, attention_length=k)
+                        rt.num_replicas, attention_length=k,
+                        compiled=_compiled_modes(config, rt),
+                        run_steps=train.train_steps * train.grad_accum_steps,
+                        run_epochs=0 if train.train_steps else train.epochs)
+
+
+def _compiled_modes(config: Config, rt) -> tuple[str, ...]:
+    """The batchings whose every batch shape compiles on this runtime: all of them on JAX
+    or under XLA; on TensorFlow with ``--xla=auto`` packed rows (``runtime.for_batching``)."""
+    if rt.backend == "jax" or rt.plan.xla:
+        return ("pad", "bucket", "pack")
+    return ("pack",) if config.runtime.xla == "auto" else ()
 
 def build_engine(config: Config, rt, model, goals, preprocess=None,
                  total_updates: int = PROBE_UPDATES, batching=None):
