@@ -88,10 +88,14 @@ def backend() -> str:
 
     name = keras.backend.backend()
     if name not in BACKENDS:
-        raise UsageError(f"KERAS_BACKEND={name}: tfspeed's engine runs on tensorflow and jax "
-                         f"(tf.data feeds both); there is no {name} step yet: set "
-                         "KERAS_BACKEND=tensorflow or jax")
+        raise UsageError(unsupported_backend(name))
     return name
+
+
+def unsupported_backend(name: str) -> str:
+    """The one line for a Keras backend tfspeed has no engine for."""
+    return (f"KERAS_BACKEND={name}: tfspeed's engine runs on tensorflow and jax (tf.data "
+            f"feeds both); there is no {name} step: set KERAS_BACKEND=tensorflow or jax")
 
 
 def detect_hardware() -> Hardware:
@@ -365,13 +369,15 @@ def setup(config: RuntimeConfig, hw: Hardware | None = None,
     import tensorflow as tf
 
     name = backend()
+    if name == "jax" and config.cpu_replicas > 1:  # before anything starts JAX's backends
+        from tfspeed.runtime import jax_backend
+
+        jax_backend.split_cpu(config.cpu_replicas)
     hw = hw or detect_hardware()
     plan = resolve(config, hw, name)
     if name == "jax":
         from tfspeed.runtime import jax_backend
 
-        if plan.cpu_replicas > 1:
-            jax_backend.split_cpu(plan.cpu_replicas)
         keras.mixed_precision.set_global_policy(plan.precision)
         plan = dataclasses.replace(plan, reasons={
             **plan.reasons, "intra_op_threads": "JAX: the step runs on XLA's own threads; "

@@ -75,11 +75,11 @@ def split_cpu(replicas: int) -> None:
     equivalent of TensorFlow's logical CPUs); only before JAX has started its backends."""
     import jax
 
-    if len(_devices("cpu")) >= replicas and jax.default_backend() == "cpu":
-        return
-    try:
+    try:  # first: asking for the devices would start the backends
         jax.config.update("jax_num_cpu_devices", replicas)
     except RuntimeError as e:
+        if len(_devices("cpu")) >= replicas:
+            return  # started already, with enough
         raise UsageError(f"--cpu_replicas={replicas} could not be applied: JAX had already "
                          f"started its devices ({e}); pass it before anything runs on JAX"
                          ) from None
