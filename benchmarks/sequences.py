@@ -35,8 +35,9 @@ with Adam at the same constant learning rate, then evaluated on the validation s
   tfspeed_auto               ``python -m tfspeed.train --batching=auto --tokens_per_batch=T``:
                              what auto chose, against the faster of bucket and pack.
 
-Peers take B sequences per update; tfspeed's T is B times the split's mean length, rounded
-up to whole rows of --max_length: about as many real tokens per update. The peers' inputs
+Peers take B sequences per update; tfspeed's T is B times the split's mean length (for pack
+rounded up to whole rows of --max_length): about as many real tokens, so about as many
+updates a pass. The peers' inputs
 are the batch contract built in a map (segment_ids = 1 where the token is not <pad>,
 positions = range); their lm loss is the TF transformer tutorial's (mean over the non-<pad>
 labels of a batch). Their evaluation is exact: summed over the whole validation split, then
@@ -157,12 +158,17 @@ def prepare(name: str) -> tuple[str, dict]:
     return out, facts
 
 
-def token_budget(facts: dict) -> int:
-    """tfspeed's tokens per batch: about the peers' real tokens per update, in whole rows."""
+def token_budget(facts: dict, mode: str = "pack") -> int:
+    """tfspeed's tokens per batch: the peers' real tokens per update (--batch_size sequences
+    of the mean length), so every contender makes about as many updates a pass; rounded up
+    to whole rows of --max_length for pack (a packed batch is whole rows)."""
     if _TOKENS.value:
         return _TOKENS.value
+    tokens = int(round(_BATCH.value * facts["train_mean"]))
+    if mode != "pack":
+        return max(tokens, _MAX_LENGTH.value)  # at least one row (the longest bucket)
     length = _MAX_LENGTH.value
-    return max(1, -(-int(_BATCH.value * facts["train_mean"]) // length)) * length
+    return max(1, -(-tokens // length)) * length
 
 
 # ------------------------------------------------------------------ the peers (stock Keras)
@@ -334,7 +340,7 @@ def tfspeed_command(mode: str, data_dir: str, model_dir: str, facts: dict) -> li
     on for pack, off for bucket on a CPU)."""
     return [sys.executable, "-m", "tfspeed.train", f"--data_dir={data_dir}",
             f"--model_dir={model_dir}", "--model=transformer", f"--batching={mode}",
-            f"--tokens_per_batch={token_budget(facts)}", f"--max_length={_MAX_LENGTH.value}",
+            f"--tokens_per_batch={token_budget(facts, mode)}", f"--max_length={_MAX_LENGTH.value}",
             f"--batch_size={_BATCH.value}",  # the peers' sequences per batch (pad mode's B)
             f"--width={_WIDTH.value}", f"--depth={_DEPTH.value}", f"--heads={_HEADS.value}",
             f"--epochs={_EPOCHS.value}", "--precision=float32", "--optimizer=adam",
@@ -365,7 +371,7 @@ def run_tfspeed(contender: str, data_dir: str, facts: dict) -> dict:
         result["real_tokens_per_sec"] = result["real_tokens_measured"] / result["seconds_measured"]
     # About one pass's worth of updates (T holds ~B sequences' tokens), else not comparable:
     # the driver counts a pass as train records // --batch_size updates.
-    expected = _EPOCHS.value * facts["train_tokens"] / token_budget(facts)
+    expected = _EPOCHS.value * facts["train_tokens"] / token_budget(facts, TFSPEED[contender])
     if not 0.75 <= (result["optimizer_updates"] or 0) / expected <= 1.33:
         result["warning"] = (f"{result['optimizer_updates']} updates, about {expected:.0f} "
                              "expected for one pass")
@@ -507,7 +513,8 @@ def make_record(datasets: dict, contenders: list[str], results: dict, complete: 
     ratios = {name: ratios_of(per) for name, per in figures.items()}
     config = {
         "complete": complete,
-        "datasets": {name: {**facts, "tokens_per_batch": token_budget(facts)}
+        "datasets": {name: {**facts, "tokens_per_batch": {m: token_budget(facts, m) for m in (
+            "bucket", "pack")}}
                      for name, (_, facts) in datasets.items()},
         "why_pydoc_lm": "pydoc_data.topics ships with every CPython: human-written English "
                         "prose (the language reference), short paragraphs, nothing to download; "
