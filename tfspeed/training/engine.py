@@ -236,8 +236,10 @@ class Engine:
 
     @property
     def learning_rate(self):
-        """The optimizer's current learning rate (its schedule at this update)."""
-        return self.optimizer.learning_rate
+        """The optimizer's current learning rate (its schedule at this update), as a value:
+        under tf.distribute the optimizer's is a MirroredVariable, which float() refuses."""
+        rate = self.optimizer.learning_rate
+        return rate.numpy() if hasattr(rate, "numpy") else rate
 
     @property
     def updates(self) -> tf.Tensor:
