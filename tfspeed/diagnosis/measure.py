@@ -115,6 +115,7 @@ def measure(job, options: Options, out_dir: str) -> dict:
                      "input_placement": placement,
                      "precision": job.runtime.precision, "xla": job.runtime.xla,
                      "cache": job.train_data_config.cache,
+                     "image_dtype": job.input_report.get("image_dtype"),
                      **({"batching": batching["mode"],
                          "tokens_per_batch": batching["tokens_per_batch"],
                          "max_length": batching["max_length"]} if batching else {}),

@@ -102,12 +102,33 @@ def fit(model, train, validation=None, *, epochs: int | None = None,
                 weight_scale=job.weight_scale)
         out = {**dataclasses.asdict(result), "runtime": job.runtime.to_json(),
                "objectives": job.objectives.report, "model_dir": config.model_dir,
-               "config": config.to_json()}
+               "config": config.to_json(), **_image_input(train)}
         if job.runtime.is_chief:
             out["saved"] = checkpoints.export_model(job.model, config.model_dir)
             report.write(config.model_dir, out)
     report.check_evaluation(result.eval_metrics, config.model_dir)
     return {**out, "model": job.model}
+
+
+def _image_input(train) -> dict:
+    """Image batches: the dtype they travel in, and where float32 ones go to the device
+    (4x the bytes of uint8), the fix, logged once: ``tfspeed.fit`` does not own the model,
+    so it cannot move the scale into it as the driver does."""
+    from absl import logging
+
+    from tfspeed.data import images
+
+    x = train.element_spec[0]
+    if images.float_images(x):
+        advice = images.float_images_advice(
+            "build the data with tfspeed.data.build(..., image_dtype='uint8') and put "
+            "tfspeed.data.scaling_layer() first in the model: the scale then runs inside the "
+            "compiled step")
+        logging.warning("%s", advice)
+        return {"input": {"image_dtype": x.dtype.name, "advice": advice}}
+    if getattr(x, "shape", None) is not None and x.shape.rank == 4:
+        return {"input": {"image_dtype": x.dtype.name}}
+    return {}
 
 
 @dataclasses.dataclass
