@@ -30,6 +30,11 @@ PAD_MARGIN = 0.05
 # costs about this many of the run's batches (the transformer on 2 cores: 2-4 s to compile
 # against 0.1-0.3 s a step), so a short run takes fewer buckets.
 COMPILE_BATCHES = 20.0
+# ... and once compiled, a step runs this much faster: packed rows of the benchmark's
+# transformer on pystdlib, 2 cores, 16,649 real tokens/s with XLA against 11,262 without
+# (benchmarks/results/sequences-2026-11-26*.json). It decides only between a compiled mode
+# and one that is not (TensorFlow on a CPU compiles packed rows alone).
+XLA_GAIN = 1.45
 MODES = ("pad", "bucket", "pack")
 
 
@@ -202,7 +207,8 @@ def predicted_costs(counts: np.ndarray, padding: dict, max_length: int,
     w costs each of its tokens ``1 + w / K`` (K = ``attention_length``: a token attends to
     all w positions of its row, the masked ones too), and padding costs as real tokens.
     A mode in ``compiled`` pays a compile per batch shape, each ``shape_cost`` of the run:
-    one for packed rows, one per bucket, one per width for padded batches."""
+    one for packed rows, one per bucket, one per width for padded batches; its steps then
+    cost ``1 / XLA_GAIN`` of an uncompiled one's."""
     k = attention_length or float("inf")
     real = float(np.dot(np.arange(len(counts)), counts)) or 1.0
 
@@ -216,7 +222,8 @@ def predicted_costs(counts: np.ndarray, padding: dict, max_length: int,
         lower = boundary
     shapes = {"pad": float(np.count_nonzero(counts)), "bucket": len(padding["boundaries"]),
               "pack": 1}
-    compile_ = {m: 1 + (shapes[m] * shape_cost if m in compiled else 0.0) for m in shapes}
+    compile_ = {m: (1 + shapes[m] * shape_cost) / XLA_GAIN if m in compiled else 1.0
+                for m in shapes}
     return {"pad": round(per_token(padding["pad_width"]) / max(1 - padding["pad"], 1e-3)
                          * compile_["pad"], 4),
             "bucket": round(bucketed / real * compile_["bucket"], 4),
