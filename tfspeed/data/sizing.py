@@ -15,10 +15,12 @@ What is known (``benchmarks/input_pipeline.py``, 3,000 real photos, 224 px, cold
   (tensorflow#58819, #62821: it can ignore that budget), and the interleave may be given up
   to ``cycle_length`` threads that compete with the decode for the same cores.
 
-So the rule keeps the measured 2-core sizes below ``MANY_CORES`` and, from there, caps the
-read stage at what it needs with slack, leaving the cores to the decode map (still
-AUTOTUNE, as in the guide's pipeline, which scales). The many-core sizes are the hypothesis
-``benchmarks/input_pipeline.py`` checks on a 16-core host (issue 38); they are not measured.
+So the rule keeps the sizes measured at or above the guide on 2 cores, on every machine: the
+many-core sizes below are a hypothesis for ``benchmarks/input_pipeline.py`` on a 16-core host
+(issue 38), not measured, so not applied. The hypothesis: from 8 cores, cap the interleave's
+threads at ``max(2, ceil(cores / 8))`` (one read thread parses ~15k records/s, a decode core
+~600 photos/s) and open a shard per core, leaving the cores to the decode map
+(``many_core_hypothesis``).
 """
 
 from __future__ import annotations
@@ -81,24 +83,30 @@ class Sizes:
 
 def input_sizes(cores: int, shards: int, record_bytes: float) -> Sizes:
     """The widths of the read side on ``cores`` cores for ``shards`` shard files of
-    records of ``record_bytes`` each (as stored).
+    records of ``record_bytes`` each (as stored): the sizes measured at or above the guide on
+    2 cores (up to 16 shards at once, AUTOTUNE threads), on every machine until a many-core
+    rule is measured (``many_core_hypothesis``).
 
     Args:
       cores: the cores tf.data's threads run on (``--input_threads``, else the CPUs this
         process may use).
       shards: the shard files this input pipeline reads.
       record_bytes: bytes per record as stored (``plan.record_bytes(..., encoded=True)``).
-
-    Returns:
-      ``Sizes``; on fewer than ``MANY_CORES`` cores exactly the sizes measured at or above
-      the guide on 2 cores (AUTOTUNE for every thread count, up to 16 shards at once).
     """
+    del cores  # the measured sizes do not depend on it (yet)
+    shards = max(1, int(shards))
+    return Sizes(cycle_length=min(shards, MIN_CYCLE_LENGTH), read_threads=AUTOTUNE,
+                 group=group_size(record_bytes))
+
+
+def many_core_hypothesis(cores: int, shards: int, record_bytes: float) -> Sizes:
+    """What to measure against ``input_sizes`` on a host with ``MANY_CORES`` or more (not
+    used by the pipeline): a shard open per core, and the interleave's threads capped at what
+    the decode needs with slack."""
     cores, shards = max(1, int(cores)), max(1, int(shards))
     cycle_length = min(shards, max(MIN_CYCLE_LENGTH, cores))
     if cores < MANY_CORES:
-        read_threads = AUTOTUNE
-    else:
-        wanted = max(MIN_READ_THREADS, math.ceil(cores / DECODE_CORES_PER_READ_THREAD))
-        read_threads = min(cycle_length, wanted)
-    return Sizes(cycle_length=cycle_length, read_threads=read_threads,
+        return input_sizes(cores, shards, record_bytes)
+    wanted = max(MIN_READ_THREADS, math.ceil(cores / DECODE_CORES_PER_READ_THREAD))
+    return Sizes(cycle_length=cycle_length, read_threads=min(cycle_length, wanted),
                  group=group_size(record_bytes))
