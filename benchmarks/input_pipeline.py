@@ -60,15 +60,11 @@ AUTOTUNE = tf.data.AUTOTUNE
 
 
 def guide_decode(jpeg: tf.Tensor) -> tf.Tensor:
-    """The TF guide's per-image work: decode, resize, scale to [0, 1]."""
-    return tf.image.resize(tf.io.decode_jpeg(jpeg, channels=3), [SIZE, SIZE]) / 255.0
+    return bench.guide_decode(jpeg, SIZE)
 
 
 def files_pipeline(items) -> tf.data.Dataset:
-    paths, labels = [p for p, _ in items], [label for _, label in items]
-    ds = tf.data.Dataset.from_tensor_slices((paths, labels))
-    ds = ds.map(lambda p, y: (guide_decode(tf.io.read_file(p)), y), num_parallel_calls=AUTOTUNE)
-    return ds.batch(BATCH).prefetch(AUTOTUNE)
+    return bench.guide_files_pipeline(items, SIZE, BATCH)
 
 
 def write_plain_tfrecords(items, root: str, shards: int = 16) -> list[str]:

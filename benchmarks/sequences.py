@@ -293,14 +293,34 @@ def exact_eval(model, data_dir: str, lm: bool) -> dict:
         return tf.stack([tf.reduce_sum(ce * weight), tf.reduce_sum(correct * weight),
                          tf.reduce_sum(weight)])
 
-    total = tf.zeros([3])
-    for inputs, label in batched(read(data_dir, "validation", lm), "guide_padded_batch", lm):
-        total += sums(inputs, label)
-    loss, correct, weight = (float(x) for x in total.numpy())
+    if keras.backend.backend() == "tensorflow":
+        total = tf.zeros([3])
+        for inputs, label in batched(read(data_dir, "validation", lm), "guide_padded_batch", lm):
+            total += sums(inputs, label)
+        loss, correct, weight = (float(x) for x in total.numpy())
+    else:  # a tf.function cannot call a model of another backend: NumPy sums of its logits
+        loss, correct, weight = _numpy_sums(model, data_dir, lm)
     metrics = {"loss": loss / weight, "accuracy": correct / weight}
     if lm:
         metrics["perplexity"] = math.exp(metrics["loss"])
     return metrics
+
+
+def _numpy_sums(model, data_dir: str, lm: bool) -> tuple[float, float, float]:
+    """``exact_eval``'s sums on any backend: batches padded to --max_length (one compiled
+    shape, not one per batch; padding changes nothing), logits from ``predict_on_batch``."""
+    loss = correct = weight = 0.0
+    ds = batched(read(data_dir, "validation", lm), "fixed_max_length", lm)
+    for inputs, label in ds.as_numpy_iterator():
+        logits = np.asarray(model.predict_on_batch(inputs), np.float64)
+        logits -= logits.max(-1, keepdims=True)
+        log_p = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+        w = (label != PAD).astype(np.float64) if lm else np.ones(label.shape)
+        ce = -np.take_along_axis(log_p, label[..., None].astype(np.int64), -1)[..., 0]
+        loss += float((ce * w).sum())
+        correct += float(((log_p.argmax(-1) == label) * w).sum())
+        weight += float(w.sum())
+    return loss, correct, weight
 
 
 def run_peer(contender: str, data_dir: str, facts: dict) -> dict:

@@ -134,6 +134,27 @@ def make_photos(root: str, count: int, classes: int, seed: int = 0,
     return items
 
 
+def guide_decode(jpeg, size: int):
+    """The TF guide's per-image work ("Load and preprocess images"): decode, resize to
+    ``size``, scale to [0, 1] in float32."""
+    import tensorflow as tf
+
+    return tf.image.resize(tf.io.decode_jpeg(jpeg, channels=3), [size, size]) / 255.0
+
+
+def guide_files_pipeline(items: list[tuple[str, int]], size: int, batch_size: int,
+                         drop_remainder: bool = False):
+    """The TF guide's file pipeline over ``items`` (``make_photos``' paths and labels):
+    from_tensor_slices(paths).map(read + decode + resize, AUTOTUNE).batch.prefetch."""
+    import tensorflow as tf
+
+    paths, labels = [p for p, _ in items], [label for _, label in items]
+    ds = tf.data.Dataset.from_tensor_slices((paths, labels))
+    ds = ds.map(lambda p, y: (guide_decode(tf.io.read_file(p), size), y),
+                num_parallel_calls=tf.data.AUTOTUNE)
+    return ds.batch(batch_size, drop_remainder=drop_remainder).prefetch(tf.data.AUTOTUNE)
+
+
 def run_converter(source: str, output: str, *extra: str) -> dict:
     """Runs ``scripts/to_tfrecord.py`` as users do, into a fresh ``output`` (what an earlier
     run left there is deleted first, untimed: a first conversion writes into nothing).

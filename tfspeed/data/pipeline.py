@@ -29,7 +29,9 @@ from tfspeed.data.reader import (  # noqa: F401 -- part of this module's API
     shard_reader,
     user_error,
 )
+from tfspeed.data.sizing import input_sizes
 from tfspeed.errors import UsageError
+from tfspeed.util import system
 
 AUTOTUNE = tf.data.AUTOTUNE
 # Stages a pipeline can be cut after (``until=``), in pipeline order; "batch" is the whole.
@@ -222,18 +224,21 @@ def _records(config, schema, split, num_pipelines, pipeline_id, shuffle, determi
     parse_group, parse_one = ops.make_group_parser(schema) if parse else (None, None)
     check = (ops.make_label_check(schema.num_classes, _label_message(schema, config))
              if parse and schema.task == "classification" else None)
-    group = group_size(plan.record_bytes(config, schema, split, encoded=True))
-    reader = shard_reader(config, parse_group, parse_one, check=check,
-                          remote=remote, per_record=config.parse == "single", group=group)
-    # Parallel interleave: reads several shards at once, hiding per-file latency.
+    sizes = input_sizes(config.input_threads or system.cpus_available(), len(files),
+                        plan.record_bytes(config, schema, split, encoded=True))
+    reader = shard_reader(config, parse_group, parse_one, check=check, remote=remote,
+                          per_record=config.parse == "single", group=sizes.group)
+    # Parallel interleave: reads several shards at once, hiding per-file latency; as wide
+    # and with as many threads as ``sizing.input_sizes`` says for this machine.
     if shuffle:  # groups through the interleave: its threads hand over groups, not records
-        ds = ds.interleave(reader, cycle_length=min(len(files), 16),
-                           num_parallel_calls=AUTOTUNE, deterministic=deterministic).unbatch()
+        ds = ds.interleave(reader, cycle_length=sizes.cycle_length,
+                           num_parallel_calls=sizes.read_threads,
+                           deterministic=deterministic).unbatch()
     else:  # records taken from the files in turn, one by one: n workers reading 1/n of the
         # files each then make up the global batches one worker would read (tested)
         ds = ds.interleave(lambda *shard: reader(*shard).unbatch(),
-                           cycle_length=min(len(files), 16), num_parallel_calls=AUTOTUNE,
-                           deterministic=deterministic)
+                           cycle_length=sizes.cycle_length,
+                           num_parallel_calls=sizes.read_threads, deterministic=deterministic)
     if num_pipelines > 1 and not shard_by_file:
         ds = ds.shard(num_pipelines, pipeline_id)  # fewer files than pipelines: shard records
     return ds

@@ -30,18 +30,8 @@ import tensorflow as tf
 from absl import logging
 
 from tfspeed.config import DataConfig
+from tfspeed.data.sizing import GROUP, GROUP_BYTES, MIN_GROUP, group_size  # noqa: F401 -- API
 
-GROUP = 64  # records per parse / count step, at most
-# Bytes per group, at most: a group of big records (224 px raw photos, 150 KB each) stays in
-# the CPU's cache while it is parsed and split. Cold on those photos, such groups ran a few %
-# faster than groups of 64, in every comparison (measured once on 2 cores, not benchmarked).
-GROUP_BYTES = 2 << 20
-MIN_GROUP = 8
-
-
-def group_size(record_bytes: float) -> int:
-    """Records per group for records of ``record_bytes`` each (as stored)."""
-    return int(max(MIN_GROUP, min(GROUP, GROUP_BYTES // max(record_bytes, 1))))
 _lost_lock = threading.Lock()
 _lost: dict[str, int] = {}  # shard path -> records lost, summed over reads (epochs)
 _FAIL_PATTERN = re.compile(r"tfspeed: shard .*? --repair`")
