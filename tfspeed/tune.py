@@ -7,7 +7,7 @@ call, ``tfspeed.tuning.tune.run_command`` (measure, predict, verify, output: see
 
 from __future__ import annotations
 
-from absl import app, flags, logging
+from absl import app, flags
 
 from tfspeed.config import flags as tfspeed_flags
 from tfspeed.errors import UsageError
@@ -56,5 +56,4 @@ def run_main() -> None:
 
 
 if __name__ == "__main__":
-    logging.set_verbosity(logging.WARNING)
     run_main()

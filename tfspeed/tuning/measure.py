@@ -26,7 +26,7 @@ from tfspeed.tuning.measurements import (
     StepKey,
     StepTiming,
 )
-from tfspeed.tuning.verify import Budget, variant
+from tfspeed.tuning.verify import Budget, say, variant
 
 MEASURE_SHARE = 0.55  # of the budget, at most, for measuring
 
@@ -44,15 +44,23 @@ def measure_apart(flag_args: list[str], budget: Budget, tune_dir: str) -> Measur
     path = os.path.join(tune_dir, "measurements.json")
     args = [a for a in flag_args if not a.startswith(("--budget_s", "--measure_to", "--deadline"))]
     share = max(MEASURE_SHARE * budget.left(), 1)  # the rest is for the runs that verify
-    done = subprocess.run([sys.executable, "-m", "tfspeed.tune", *args,
-                           f"--budget_s={share:.1f}", f"--deadline={time.time() + share:.3f}",
-                           f"--measure_to={path}"],
-                          capture_output=True, text=True)
-    errors = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
-    if done.returncode == 2 and errors:
+    say("measuring in a child process (%.0f s of the %.0f s left)", share, budget.left())
+    child = subprocess.Popen([sys.executable, "-m", "tfspeed.tune", *args,
+                              f"--budget_s={share:.1f}", f"--deadline={time.time() + share:.3f}",
+                              f"--measure_to={path}"],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    for line in child.stdout:  # its progress lines as they come; the rest for an error
+        lines.append(line)
+        if "] tune: " in line:
+            sys.stderr.write(line)
+            sys.stderr.flush()
+    returncode = child.wait()
+    errors = [line.strip() for line in lines if line.startswith("error: ")]
+    if returncode == 2 and errors:
         raise UsageError(errors[-1].removeprefix("error: "))
-    if done.returncode:
-        raise RuntimeError(f"measuring failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+    if returncode:
+        raise RuntimeError(f"measuring failed (exit {returncode}):\n{''.join(lines)[-3000:]}")
     with open(path) as f:
         found = json.load(f)
     os.remove(path)
@@ -76,6 +84,7 @@ def measure(config, budget: Budget, probe_dir: str) -> Measurements:
 
     host = variant(config, input_placement="host", cache="none", precision="float32",
                    model_dir=probe_dir)
+    say("measuring (%.0f s at most): preparing the job", budget.left())
     with job_lib.data_errors(config.data.data_dir):
         job = job_lib.prepare(host)
     try:
@@ -101,6 +110,8 @@ def measure(config, budget: Budget, probe_dir: str) -> Measurements:
     finally:
         job.release()
     step = {key: probe.figures() for key, probe in steps.items()}
+    say("measured in %.0f s: the step alone %s", budget.used(), ", ".join(
+        f"{k} {1000 * v.step_s:.1f} ms" for k, v in step.items()))
     first = next(iter(steps))
     in_step = device_step.figures() if device_step else None
     return Measurements(
@@ -164,6 +175,7 @@ def _measure_text_input(job, budget: Budget) -> _InputFindings:
     for mode in modes:
         if figures and not budget.allows(2, f"the input batched by {mode}"):
             continue
+        say("timing the input batched by %s", mode)
         cfg = dataclasses.replace(data, batching=mode, cache="none",
                                   tokens_per_batch=resolved.tokens_per_batch)
         ds = pipeline.build_from_config(cfg, split, training=True, schema=schema)
@@ -265,6 +277,7 @@ def _measure_steps(config, job, budget: Budget, size_mb: float, inputs: _InputFi
         if cost and not budget.allows(cost * (2 if xla == "on" else 1),
                                       f"the step at {precision}, xla={xla}"):
             continue
+        say("building and tracing the step at %s, xla=%s", precision, xla)
         start = time.perf_counter()
         probes[StepKey(precision, xla)] = _probe(job, held, precision, xla)
         cost = cost or 2 * (time.perf_counter() - start)  # building, then timing
@@ -278,7 +291,9 @@ def _measure_steps(config, job, budget: Budget, size_mb: float, inputs: _InputFi
         source = ingraph.load(data, job.schema, data.train_split,
                               global_batch_size=data.batch_size, device=job_input.device())
         in_step = _probe(job, source, first.precision, first.xla)
-    _time_interleaved([*probes.values(), *([in_step] if in_step else [])])
+    timed = [*probes.values(), *([in_step] if in_step else [])]
+    say("timing %d step settings in turn", len(timed))
+    _time_interleaved(timed)
     return probes, in_step
 
 

@@ -10,6 +10,8 @@ import io
 import os
 import time
 
+from absl import logging
+
 from tfspeed.config import is_auto
 from tfspeed.tuning.measurements import Measurements
 from tfspeed.tuning.predict import Candidate, predict
@@ -22,6 +24,11 @@ _DATA_KNOBS = ("input_placement", "cache", "parse", "input_threads", "batching",
                "tokens_per_batch")
 _RUNTIME_KNOBS = ("precision", "xla")
 _TRAIN_KNOBS = ("steps_per_execution", "train_steps", "log_every", "checkpoint_every", "epochs")
+
+
+def say(message: str, *args) -> None:
+    """A progress line (absl INFO, ``tune: ...``): the tune's phases take tens of seconds."""
+    logging.info("tune: " + message, *args)
 
 
 class Budget:
@@ -53,6 +60,7 @@ class Budget:
         if self.left() - self.reserve >= seconds:
             return True
         self.skipped.append(f"{what} (~{seconds:.0f} s; {max(self.left(), 0):.0f} s left)")
+        say("skipped for lack of time: %s", self.skipped[-1])
         return False
 
 
@@ -224,9 +232,12 @@ class Verifier:
         if not self.budget.allows(plan.seconds, f"verifying {name}"):
             return False
         self.runs += 1
+        say("verifying %s: a short run (~%.0f s)", name, plan.seconds)
         entry["measured"] = verify(self.config, c, os.path.join(self.work, f"run{self.runs}"),
                                    plan)
         self.budget.observe(plan.seconds, entry["measured"]["seconds"])
+        say("%s: %.1f examples/s measured in %.0f s", name,
+            entry["measured"]["examples_per_sec"], entry["measured"]["seconds"])
         return True
 
     def first_round(self, ranked: list[dict], n: int) -> dict:
