@@ -306,8 +306,13 @@ def _held_batches(job):
     plain = dataclasses.replace(job.train_data_config, shuffle=False, augment=(), cache="none")
     held = next(iter(pipeline.build_from_config(plain, plain.train_split, training=True,
                                                 schema=job.schema)))
+    # Nothing to tune in a batch repeated, and an autotuned iterator that lived through the
+    # probes took 6-40 s to delete (its destructor waits for tf.data's model thread, asleep
+    # in Model::OptimizeLoop for a period that doubles while the iterator lives).
+    options = tf.data.Options()
+    options.autotune.enabled = False
     return iter(job.runtime.strategy.experimental_distribute_dataset(
-        tf.data.Dataset.from_tensors(held).repeat()))
+        tf.data.Dataset.from_tensors(held).repeat().with_options(options)))
 
 
 @dataclasses.dataclass
