@@ -100,9 +100,14 @@ class Measurements:
     device_step_ratio: float = 1.0  # the step with the split in it, over the step alone
     device_step: StepTiming | None = None
     # Token records only (absent otherwise): ``{"held_tokens"`` (computed tokens of the
-    # batch the steps were timed on), ``"mean_length"``, ``"max_length"``, ``"batch_size"``,
-    # ``"tokens_per_batch"`` (the choices), ``"batching": {mode: {"expected_padding",
-    # "input_cpu_per_token"}}``} (pack only where the model takes segment ids).
+    # batch the steps were timed on), ``"held_width"`` (its row length), ``"held_units"``
+    # (its work in ``costs``' units), ``"mean_length"``, ``"max_length"``,
+    # ``"batch_size"``, ``"tokens_per_batch"`` (the choices, the job's own first),
+    # ``"batching": {mode: {"expected_padding", "input_cpu_per_token"}}`` (the modes
+    # measured; pack only where the model takes segment ids), ``"expected_padding"``,
+    # ``"costs"`` (``text.Batching.costs``: predicted work per real token of each mode,
+    # padding and attention counted), ``"attention_length"`` (the model's K, or None),
+    # ``"job": {"batching", "tokens_per_batch"}`` (what the job's own flags resolve to)}.
     text: dict | None = None
 
     def to_json(self) -> dict[str, Any]:
