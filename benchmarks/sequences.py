@@ -1,6 +1,7 @@
 """Variable-length text: the TF guide's ways of batching it against tfspeed's bucket and pack.
 
-    python benchmarks/sequences.py [--items=0] [--rounds=3] [--datasets=pystdlib,pydoc_lm]
+    python benchmarks/sequences.py [--items=0] [--rounds=3] [--epochs=1]
+        [--datasets=pystdlib,pydoc_lm,pydocs]
 
 Real text only, each set converted once by the real converter (``scripts/to_tfrecord.py
 --tokenizer=bpe:8000 --max_length=512 --long=split``):
@@ -13,6 +14,10 @@ Real text only, each set converted once by the real converter (``scripts/to_tfre
             jsonl file, for causal language modelling (``--task=lm``). Chosen because it is
             prose rather than code, short (median ~30 tokens: padding costs most there) and
             present in every CPython, with nothing to download.
+  pydocs    the converter's built-in ``pydocstrings`` corpus: every docstring of the same ten
+            packages, classified by package (10 classes, ~2,800 texts). Short human-written
+            prose (median ~19 tokens, a few hundreds long): the short texts a user brings,
+            where packing into long rows pays attention over positions no segment uses.
 
 Contenders, each in a process of its own, all training the same transformer
 (``tfspeed.training.transformer.build_transformer``; width 64, depth 2, heads 4) for one
@@ -26,10 +31,13 @@ with Adam at the same constant learning rate, then evaluated on the validation s
   bucket_by_sequence_length  ``Dataset.bucket_by_sequence_length``, boundaries
                              16/32/64/128/256/512 as in the API's example, B per bucket;
   tfspeed_bucket             ``python -m tfspeed.train --batching=bucket --tokens_per_batch=T``;
-  tfspeed_pack               ``python -m tfspeed.train --batching=pack --tokens_per_batch=T``.
+  tfspeed_pack               ``python -m tfspeed.train --batching=pack --tokens_per_batch=T``;
+  tfspeed_auto               ``python -m tfspeed.train --batching=auto --tokens_per_batch=T``:
+                             what auto chose, against the faster of bucket and pack.
 
-Peers take B sequences per update; tfspeed's T is B times the split's mean length, rounded
-up to whole rows of --max_length: about as many real tokens per update. The peers' inputs
+Peers take B sequences per update; tfspeed's T is B times the split's mean length (for pack
+rounded up to whole rows of --max_length): about as many real tokens, so about as many
+updates a pass. The peers' inputs
 are the batch contract built in a map (segment_ids = 1 where the token is not <pad>,
 positions = range); their lm loss is the TF transformer tutorial's (mean over the non-<pad>
 labels of a batch). Their evaluation is exact: summed over the whole validation split, then
@@ -70,9 +78,11 @@ _WORKDIR = flags.DEFINE_string("workdir", "/tmp/tfspeed-bench-sequences",
                                "Converted datasets and run directories.")
 _ITEMS = flags.DEFINE_integer("items", 0, "Texts to convert per dataset (the converter's "
                               "--max_items, a seeded sample); 0 = all.")
-_DATASETS = flags.DEFINE_list("datasets", ["pystdlib", "pydoc_lm"], "Datasets to run.")
+_DATASETS = flags.DEFINE_list("datasets", ["pystdlib", "pydoc_lm", "pydocs"],
+                              "Datasets to run.")
 _CONTENDERS = flags.DEFINE_list("contenders", None, "Contenders to run (default: all).")
 _ROUNDS = flags.DEFINE_integer("rounds", 3, "Interleaved rounds over all contenders.")
+_EPOCHS = flags.DEFINE_integer("epochs", 1, "Passes over the train split, every contender's.")
 _BATCH = flags.DEFINE_integer("batch_size", 32, "Sequences per update of the peers.")
 _TOKENS = flags.DEFINE_integer("tokens_per_batch", 0, "tfspeed's token budget; 0 = batch_size "
                                "x the split's mean length, rounded up to a multiple of max_length.")
@@ -89,7 +99,7 @@ _CONTENDER = flags.DEFINE_string("contender", "", "Internal: run this peer alone
 _DATA_DIR = flags.DEFINE_string("data_dir", "", "Internal: the peer's dataset.")
 
 PEERS = ("guide_padded_batch", "fixed_max_length", "bucket_by_sequence_length")
-TFSPEED = {"tfspeed_bucket": "bucket", "tfspeed_pack": "pack"}
+TFSPEED = {"tfspeed_bucket": "bucket", "tfspeed_pack": "pack", "tfspeed_auto": "auto"}
 CONTENDERS = (*PEERS, *TFSPEED)
 GUIDE_BOUNDARIES = (16, 32, 64, 128, 256, 512)
 PAD = 0  # the converter's <pad> id (schema.json text.tokenizer.special_ids)
@@ -114,7 +124,8 @@ def pydoc_paragraphs(path: str) -> str:
 def dataset_sources(root: str) -> dict[str, tuple[str, list[str]]]:
     return {"pystdlib": ("pystdlib", []),
             "pydoc_lm": (f"jsonl:{pydoc_paragraphs(os.path.join(root, 'pydoc.jsonl'))}",
-                         ["--task=lm"])}
+                         ["--task=lm"]),
+            "pydocs": ("pydocstrings", [])}
 
 
 def prepare(name: str) -> tuple[str, dict]:
@@ -147,12 +158,17 @@ def prepare(name: str) -> tuple[str, dict]:
     return out, facts
 
 
-def token_budget(facts: dict) -> int:
-    """tfspeed's tokens per batch: about the peers' real tokens per update, in whole rows."""
+def token_budget(facts: dict, mode: str = "pack") -> int:
+    """tfspeed's tokens per batch: the peers' real tokens per update (--batch_size sequences
+    of the mean length), so every contender makes about as many updates a pass; rounded up
+    to whole rows of --max_length for pack (a packed batch is whole rows)."""
     if _TOKENS.value:
         return _TOKENS.value
+    tokens = int(round(_BATCH.value * facts["train_mean"]))
+    if mode != "pack":
+        return max(tokens, _MAX_LENGTH.value)  # at least one row (the longest bucket)
     length = _MAX_LENGTH.value
-    return max(1, -(-int(_BATCH.value * facts["train_mean"]) // length)) * length
+    return max(1, -(-tokens // length)) * length
 
 
 # ------------------------------------------------------------------ the peers (stock Keras)
@@ -298,15 +314,18 @@ def run_peer(contender: str, data_dir: str, facts: dict) -> dict:
     real, computed, shapes = batch_tokens(train_ds())
     model = peer_model(facts, lm, jit_compile=contender == "fixed_max_length" or "auto")
     clock = StepClock()
-    model.fit(train_ds(), epochs=1, verbose=0, callbacks=[clock])
-    if len(clock.ends) != len(real):
-        raise SystemExit(f"{contender}: {len(clock.ends)} steps, {len(real)} batches counted")
+    epochs = _EPOCHS.value
+    model.fit(train_ds(), epochs=epochs, verbose=0, callbacks=[clock])
+    # Each pass holds every sequence once (no peer drops a remainder), whatever its order.
+    if abs(len(clock.ends) - epochs * len(real)) > epochs * len(GUIDE_BOUNDARIES):
+        raise SystemExit(f"{contender}: {len(clock.ends)} steps, {len(real)} batches a pass")
     steady = clock.ends[-1] - clock.ends[0]
-    return {"real_tokens_per_sec": sum(real[1:]) / steady if steady > 0 else None,
-            "real_tokens_per_sec_with_first_step": sum(real) / (clock.ends[-1] - clock.begin),
+    trained = epochs * sum(real)
+    return {"real_tokens_per_sec": (trained - real[0]) / steady if steady > 0 else None,
+            "real_tokens_per_sec_with_first_step": trained / (clock.ends[-1] - clock.begin),
             "train_seconds": steady, "first_step_seconds": clock.ends[0] - clock.begin,
-            "padding_fraction": 1 - sum(real) / sum(computed), "steps": len(real),
-            "real_tokens": sum(real), "computed_tokens": sum(computed),
+            "padding_fraction": 1 - sum(real) / sum(computed), "steps": len(clock.ends),
+            "real_tokens": trained, "computed_tokens": epochs * sum(computed),
             "compiled_functions": clock.traces,  # traces of Keras' train step
             "distinct_input_shapes": len(shapes),
             "eval_metrics": exact_eval(model, data_dir, lm), "pid": os.getpid(),
@@ -321,10 +340,10 @@ def tfspeed_command(mode: str, data_dir: str, model_dir: str, facts: dict) -> li
     on for pack, off for bucket on a CPU)."""
     return [sys.executable, "-m", "tfspeed.train", f"--data_dir={data_dir}",
             f"--model_dir={model_dir}", "--model=transformer", f"--batching={mode}",
-            f"--tokens_per_batch={token_budget(facts)}", f"--max_length={_MAX_LENGTH.value}",
+            f"--tokens_per_batch={token_budget(facts, mode)}", f"--max_length={_MAX_LENGTH.value}",
             f"--batch_size={_BATCH.value}",  # the peers' sequences per batch (pad mode's B)
             f"--width={_WIDTH.value}", f"--depth={_DEPTH.value}", f"--heads={_HEADS.value}",
-            "--epochs=1", "--precision=float32", "--optimizer=adam",
+            f"--epochs={_EPOCHS.value}", "--precision=float32", "--optimizer=adam",
             f"--learning_rate={_LR.value}", "--lr_schedule=constant", "--warmup_steps=0"]
 
 
@@ -352,7 +371,7 @@ def run_tfspeed(contender: str, data_dir: str, facts: dict) -> dict:
         result["real_tokens_per_sec"] = result["real_tokens_measured"] / result["seconds_measured"]
     # About one pass's worth of updates (T holds ~B sequences' tokens), else not comparable:
     # the driver counts a pass as train records // --batch_size updates.
-    expected = facts["train_tokens"] / token_budget(facts)
+    expected = _EPOCHS.value * facts["train_tokens"] / token_budget(facts, TFSPEED[contender])
     if not 0.75 <= (result["optimizer_updates"] or 0) / expected <= 1.33:
         result["warning"] = (f"{result['optimizer_updates']} updates, about {expected:.0f} "
                              "expected for one pass")
@@ -385,7 +404,7 @@ def in_process_of_its_own(contender: str, data_dir: str, facts: dict) -> dict:
 
 def _shared_flags() -> list[str]:
     return [f"--{f.name}={f.value}" for f in (_WORKDIR, _ITEMS, _BATCH, _MAX_LENGTH, _WIDTH,
-                                              _DEPTH, _HEADS, _LR, _SEED)]
+                                              _DEPTH, _HEADS, _LR, _SEED, _EPOCHS)]
 
 
 def summary(values: list) -> dict | None:
@@ -435,9 +454,12 @@ def ratios_of(figures: dict) -> dict:
             if median.get(name) and guide:
                 ratios[f"{name}/guide_padded_batch{suffix}"] = median[name] / guide
         peers = [median[c] for c in PEERS if median.get(c)]
-        ours = [median[c] for c in TFSPEED if median.get(c)]
+        ours = [median[c] for c in ("tfspeed_bucket", "tfspeed_pack") if median.get(c)]
         if peers and ours:
             ratios[f"best_tfspeed/best_peer{suffix}"] = max(ours) / max(peers)
+        if ours and median.get("tfspeed_auto"):  # auto against the faster of its choices
+            ratios[f"tfspeed_auto/faster_of_bucket_and_pack{suffix}"] = (
+                median["tfspeed_auto"] / max(ours))
     return ratios
 
 
@@ -491,16 +513,20 @@ def make_record(datasets: dict, contenders: list[str], results: dict, complete: 
     ratios = {name: ratios_of(per) for name, per in figures.items()}
     config = {
         "complete": complete,
-        "datasets": {name: {**facts, "tokens_per_batch": token_budget(facts)}
+        "datasets": {name: {**facts, "tokens_per_batch": {m: token_budget(facts, m) for m in (
+            "bucket", "pack")}}
                      for name, (_, facts) in datasets.items()},
         "why_pydoc_lm": "pydoc_data.topics ships with every CPython: human-written English "
                         "prose (the language reference), short paragraphs, nothing to download; "
                         "it complements pystdlib (code, long texts) and exercises the lm task",
+        "why_pydocs": "short human-written texts (docstrings, median under 40 tokens) that a "
+                      "user's own corpus resembles: the case where packing into rows as long "
+                      "as the longest text costs attention that padding figures do not show",
         "contenders": contenders, "rounds": _ROUNDS.value, "batch_size": _BATCH.value,
         "max_length": _MAX_LENGTH.value, "model": {"width": _WIDTH.value, "depth": _DEPTH.value,
                                                    "heads": _HEADS.value},
         "precision": "float32 for every contender (the comparison is of batching)",
-        "optimizer": f"adam, constant learning rate {_LR.value}", "passes": 1,
+        "optimizer": f"adam, constant learning rate {_LR.value}", "passes": _EPOCHS.value,
         "guide_boundaries": list(GUIDE_BOUNDARIES),
         "timing": "real_tokens_per_sec: real (non-padding) tokens trained on after the first "
                   "step / the time after it (tfspeed: its driver's first call is that one "

@@ -82,6 +82,19 @@ def test_cached_small_input_and_a_heavier_model_are_compute_bound(digits_dir, tm
     assert eps["input_alone"] > eps["compute_alone"]
     assert any("--steps_per_execution=auto" in s["advice"] or "--batch_size" in s["advice"]
                for s in result["next_steps"])
+    # By default images travel as uint8 and the step scales them: nothing to say about it.
+    assert result["settings"]["image_dtype"] == "uint8"
+    assert not any("float32 images" in s["advice"] for s in result["next_steps"])
+
+
+def test_float32_images_sent_to_the_device_are_named_with_the_fix(digits_dir, tmp_path):
+    config = _config(digits_dir, tmp_path, data={"cache": "memory", "image_dtype": "float32",
+                                                 "input_placement": "host"})
+    result = diagnose.run(config, QUICK)
+    assert result["settings"]["image_dtype"] == "float32"
+    named = [s for s in result["next_steps"] if "float32 images sent" in s["advice"]]
+    assert len(named) == 1 and "4x the bytes of uint8" in named[0]["advice"]
+    assert "drop --image_dtype=float32" in named[0]["advice"]
 
 
 def test_shared_cpu_is_called_input_bound(digits_dir):

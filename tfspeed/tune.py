@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from absl import app, flags
 
+from tfspeed import runtime
 from tfspeed.config import flags as tfspeed_flags
 from tfspeed.errors import UsageError
 from tfspeed.tuning.tune import TuneOptions, run_command
@@ -32,6 +33,12 @@ _ARGS: list[str] = []  # the command line's flags as given: the child and tuned.
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise UsageError(f"unexpected arguments {argv[1:]}: every option is a --flag")
+    if runtime.backend() != "tensorflow":
+        raise UsageError(
+            f"KERAS_BACKEND={runtime.backend()}: tune times its candidates with TensorFlow's "
+            "step (tf.function probes); run it with KERAS_BACKEND=tensorflow. On JAX the "
+            "driver's own auto settings (--steps_per_execution, --batching, "
+            "--input_placement) still measure and decide in the run")
     options = TuneOptions(budget_s=_BUDGET_S.value, tune_dir=_TUNE_DIR.value,
                           verify=_VERIFY.value, measure_to=_MEASURE_TO.value,
                           deadline=_DEADLINE.value).validate()

@@ -7,54 +7,19 @@ import glob
 import io
 import json
 import os
-import subprocess
-import sys
-from pydoc_data.topics import topics
 
 import numpy as np
 import pytest
 
-from tests.conftest import REPO as REPO_PATH
+from tests.conftest import converter_cli as cli
+from tests.conftest import paragraphs
+from tests.conftest import token_records as records
 from tfspeed.convert import convert
 from tfspeed.convert.sources import TextOptions
 from tfspeed.data import schema as schema_lib
 from tfspeed.errors import UsageError
 
-REPO = str(REPO_PATH)
-SCRIPT = os.path.join(REPO, "scripts", "to_tfrecord.py")
-
-
-def paragraphs() -> list[str]:
-    """Real English text that ships with Python: the language reference's paragraphs."""
-    found = []
-    for name in sorted(topics):
-        found += [p.strip() for p in topics[name].split("\n\n") if len(p.strip()) > 40]
-    return found
-
-
 TEXTS = paragraphs()[:240]
-
-
-def cli(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
-    return subprocess.run(
-        [sys.executable, SCRIPT, *args, "--noprogress"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
-    )
-
-
-def records(out: str, split: str = "train") -> list[dict]:
-    """The records of a split, parsed by tf.data with the schema's spec (RaggedFeature)."""
-    import tensorflow as tf
-
-    schema = schema_lib.read(out)
-    spec = schema.parse_spec()
-    ds = tf.data.TFRecordDataset(schema.shard_paths(out, split))
-    ds = ds.map(lambda x: tf.io.parse_single_example(x, spec))
-    return [{k: v.numpy() for k, v in r.items()} for r in ds]
 
 
 def shard_bytes(out: str) -> dict[str, bytes]:
@@ -129,7 +94,8 @@ def test_schema_text_section_and_histograms(folder_dataset):
     text = d["text"]
     assert text["tokenizer"]["file"] == "tokenizer.json" and text["tokenizer"]["vocab_size"] == 400
     assert text["tokenizer"]["special_ids"] == {"pad": 0, "unk": 1, "bos": 2, "eos": 3}
-    assert (text["task"], text["max_length"], text["long"]) == ("classification", 0, "truncate")
+    # The defaults: the driver's cap and policy (config.MAX_LENGTH_CAP, LONG_DEFAULT).
+    assert (text["task"], text["max_length"], text["long"]) == ("classification", 1024, "split")
     for split in d["splits"].values():
         stats = split["text"]
         lengths = [
@@ -240,28 +206,20 @@ def test_csv_text_column(tmp_path):
     path = tmp_path / "table.csv"
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["label", "text", "words"])
+        w.writerow(["label", "text"])
         for i, t in enumerate(TEXTS[:60]):
-            w.writerow(["b" if i % 3 else "a", t, len(t.split())])
+            w.writerow(["b" if i % 3 else "a", t])
     out = str(tmp_path / "out")
     result = convert_text(f"csv:{path}", out, tokenizer="bpe:300", text_column="text")
     schema = result.schema
-    assert schema.input_names == ("tokens", "features")
-    assert schema.features["features"].shape == (1,) and schema.class_names == ("a", "b")
-    row = records(out)[0]
-    assert set(row) == {"tokens", "features", "label"} and row["features"][0] > 5
-
-    only = tmp_path / "only.csv"
-    only.write_text(
-        "text,label\n"
-        + "".join(f'"{t}",{i % 2}\n' for i, t in enumerate(x.replace('"', "'") for x in TEXTS[:30]))
-    )
-    result = convert_text(f"csv:{only}", tmp_path / "only", tokenizer="bpe:300",
-                          text_column="text")
-    assert list(result.schema.features) == ["tokens", "label"]
+    assert schema.input_names == ("tokens",) and list(schema.features) == ["tokens", "label"]
+    assert schema.class_names == ("a", "b") and not schema.stats
+    rows = [r for split in schema.splits for r in records(out, split)]
+    assert len(rows) == 60 and {int(r["label"]) for r in rows} == {0, 1}
+    assert all(set(r) == {"tokens", "label"} and len(r["tokens"]) > 5 for r in rows)
 
 
-def test_user_tokenizer_json_and_sentencepiece(tmp_path):
+def test_user_tokenizer_json_and_sentencepiece(tmp_path, caplog):
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
     corpus = tmp_path / "c.jsonl"
@@ -302,9 +260,15 @@ def test_user_tokenizer_json_and_sentencepiece(tmp_path):
     (tmp_path / "sp.model").write_bytes(model.getvalue())
     sp = spm.SentencePieceProcessor(model_proto=model.getvalue())
     out = str(tmp_path / "sp")
+    caplog.clear()
     result = convert(
         f"jsonl:{corpus}", out, shards=2, text=TextOptions(tokenizer=str(tmp_path / "sp.model"))
     )
+    # No pad: one warning, as the converter's other warnings (absl logging).
+    assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == [
+        f"--tokenizer={tmp_path / 'sp.model'} has no pad token: padded batch positions hold id "
+        "0, which is the token '<unk>' here, so a model that masks id 0 (keras.layers.Embedding("
+        "mask_zero=True)) masks that token too (tfspeed's models read segment_ids instead)"]
     assert result.schema.text["tokenizer"]["kind"] == "sentencepiece"
     assert os.path.exists(os.path.join(out, "tokenizer.model"))
     got = {tuple(r["tokens"]) for s in result.schema.splits for r in records(out, s)}
@@ -344,6 +308,8 @@ def test_bad_options_are_one_line_errors(tmp_path):
 
 def test_max_items_samples_the_corpus(tmp_path):
     out = str(tmp_path / "few")
-    result = convert_text("pystdlib:json", out, "lm", tokenizer="bpe:300", max_items=12)
+    # No length limit: each item is one record.
+    result = convert_text("pystdlib:json", out, "lm", tokenizer="bpe:300", max_items=12,
+                          max_length=0)
     assert sum(s.num_records for s in result.schema.splits.values()) == 12
     assert result.schema.options["max_items"] == 12 and result.schema.class_names == ()

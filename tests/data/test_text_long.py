@@ -138,3 +138,42 @@ def test_padded_batches_must_split_over_the_replicas(long_eval_dir):
     config = DataConfig(data_dir=long_eval_dir, batch_size=7, batching="pad")
     with pytest.raises(UsageError, match="--batch_size=7 does not split evenly over 2"):
         text.resolve(config, schema_lib.read(long_eval_dir), replicas=2)
+
+
+def test_a_huge_text_converted_without_a_cap_trains_in_bounded_memory(tmp_path):
+    """A 2 MB one-line text converted with --max_length=0 (as before the converter capped
+    lengths) is one record of ~10^6 tokens; the driver's defaults split it at batching time
+    (T at most the 1024 cap) and count it, and memory stays bounded (it once grew to 21.7
+    GB and was killed)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO, converter_cli, paragraphs
+
+    book = " ".join(paragraphs()).replace("\n", " ")
+    book = ((book + " ") * (2_000_000 // len(book) + 1))[:2_000_000]
+    for label, items in (("book", [book]), ("note", PARAGRAPHS[:300:3])):
+        (tmp_path / "src" / label).mkdir(parents=True)
+        for i, item in enumerate(items):
+            (tmp_path / "src" / label / f"{i}.txt").write_text(item)
+    data = tmp_path / "data"
+    done = converter_cli(f"--source=textfolder:{tmp_path / 'src'}", f"--output={data}",
+                         "--max_length=0", "--tokenizer=bpe:400", "--validation_fraction=0")
+    assert done.returncode == 0, done.stderr
+    assert text.longest(text.length_counts(schema_lib.read(str(data)), "train")) > 10**5
+    run = subprocess.run(
+        [sys.executable, "-m", "tfspeed.train", f"--data_dir={data}",
+         f"--model_dir={tmp_path / 'run'}", "--model=transformer", "--width=16", "--depth=1",
+         "--heads=2", "--batch_size=16", "--train_steps=3", "--eval_split="],
+        cwd=REPO, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}, capture_output=True,
+        text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads((tmp_path / "run" / "report.json").read_text())
+    batching = report["input"]["batching"]
+    assert batching["max_length"] == 1024 and batching["long"] == "split"
+    counted = batching["long_counts"]["train"]
+    assert counted["over"] == 1 and counted["pieces"] > 100
+    # Bounded by the batch (16 sequences of about T tokens), not by the text.
+    assert report["peak_host_rss_mb"] < 3000

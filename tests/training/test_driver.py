@@ -128,6 +128,8 @@ def test_auto_settings_resolve_and_train(digits_dir, tmp_path):
     assert report["steps_per_execution"]["value"] in (1, 2, 4, 8, 16, 32, 64)
     assert report["runtime"]["reasons"]["precision"].startswith("auto")
     assert report["train_metrics"]["loss"] < 2.3  # below chance level for 10 classes
+    # Images travel as uint8 by default; the step scales them.
+    assert report["input"]["image_dtype"] == "uint8"
 
 
 @pytest.mark.parametrize(

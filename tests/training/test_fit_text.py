@@ -22,7 +22,7 @@ MASKED_MODEL = '''
 import keras
 
 
-def build(input_shape, num_outputs, vocab=300):
+def build(input_shape, num_outputs, vocab=2000):
     tokens = keras.Input((None,), dtype="int32", name="tokens")
     segment_ids = keras.Input((None,), dtype="int32", name="segment_ids")
     positions = keras.Input((None,), dtype="int32", name="positions")
@@ -91,10 +91,10 @@ def test_fit_takes_training_datasets_of_every_batching_with_steps(text_dirs, mas
     assert 0 <= report["eval_metrics"]["accuracy"] <= 1
 
 
-def test_fit_takes_a_finite_bucketed_dataset_as_it_comes(text_dirs, masked, tmp_path):
+def test_fit_takes_a_finite_bucketed_dataset_as_it_comes(short_texts, masked, tmp_path):
     """Bucketed batches differ in rows and width: one epoch of them, never rebatched."""
     module, _ = masked
-    data = text_dirs["classification"]
+    data = short_texts
     train = tfspeed.data.build(data, "train", 16, batching="bucket")  # finite, not shuffled
     batches = list(train)
     assert len({tuple(x["tokens"].shape) for x, _ in batches}) > 1

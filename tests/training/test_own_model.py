@@ -197,6 +197,38 @@ def test_python_api_with_any_dataset_mirrored_accumulated(tmp_path):
     assert again["resumed_from_update"] == again["optimizer_updates"] == 12
 
 
+def test_uint8_images_with_the_scaling_layer_train_as_float32_ones(digits_dir, tmp_path):
+    """tfspeed.data.build(..., image_dtype="uint8") with tfspeed.data.scaling_layer() first in
+    the model trains to the weights of float32 batches (4x the bytes) without it; only the
+    float32 run is told so."""
+    f32 = tfspeed.data.build(digits_dir, "train", 32, training=False)
+    u8 = tfspeed.data.build(digits_dir, "train", 32, training=False, image_dtype="uint8")
+    (xf, _), (xu, _) = next(iter(f32)), next(iter(u8))
+    assert xf.dtype == tf.float32 and xu.dtype == tf.uint8
+    np.testing.assert_allclose(tfspeed.data.scaling_layer()(xu), xf, rtol=1e-6, atol=1e-7)
+
+    def make(scaled):
+        def build():
+            keras.utils.set_random_seed(3)
+            inputs = keras.Input(xf.shape[1:], dtype="uint8" if scaled else "float32")
+            x = tfspeed.data.scaling_layer()(inputs) if scaled else inputs
+            x = keras.layers.Dense(32, activation="relu")(keras.layers.Flatten()(x))
+            return keras.Model(inputs, keras.layers.Dense(10)(x))
+        return build
+
+    runs = {name: tfspeed.fit(make(name == "uint8"), data, steps=12, optimizer="sgd",
+                              learning_rate=0.1, precision="float32", xla="off",
+                              model_dir=str(tmp_path / name))
+            for name, data in (("float32", f32), ("uint8", u8))}
+    for a, b in zip(runs["float32"]["model"].weights, runs["uint8"]["model"].weights,
+                    strict=True):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-6)
+    assert runs["uint8"]["input"] == {"image_dtype": "uint8"}
+    told = runs["float32"]["input"]
+    assert told["image_dtype"] == "float32" and "4x the bytes of uint8" in told["advice"]
+    assert "tfspeed.data.scaling_layer()" in told["advice"]
+
+
 def test_python_api_regression_with_a_built_model_and_function_metric(tmp_path):
     x, _ = _arrays(seed=1)
     y = (2 * x[:, 0] - x[:, 2]).astype(np.float32)

@@ -263,3 +263,63 @@ def test_rejects_inconsistent_arguments():
         build_transformer(100, 7, "classification", width=30, heads=4)
     with pytest.raises(ValueError, match="not one of"):
         build_transformer(100, 7, "regression")
+
+
+def _examples(sentences, task):
+    """The sentences as the converter's records parse, then ``sequences.to_examples``."""
+    from tfspeed.data import sequences
+
+    texts = [ids if task == "classification" else [1, *ids, 1] for ids, _ in sentences]
+    tokens = tf.RaggedTensor.from_row_lengths(np.concatenate(texts).astype(np.int64),
+                                              [len(t) for t in texts])
+    labels = tf.constant([label for _, label in sentences], tf.int64)
+    records = tf.data.Dataset.from_tensor_slices({"tokens": tokens, "label": labels})
+    return sequences.to_examples(records, task)
+
+
+def _sgd_steps(model, updates, lr=0.5):
+    """Plain SGD on each update's exact weighted-mean gradient; returns the weights."""
+    keras.utils.set_random_seed(0)
+    start = [v.numpy() for v in model.trainable_variables]
+    for batches in updates:
+        grads, _ = accumulated_gradients(model, batches)
+        for v, g in zip(model.trainable_variables, grads, strict=True):
+            v.assign_sub(lr * g)
+    end = [v.numpy() for v in model.trainable_variables]
+    for v, s in zip(model.trainable_variables, start, strict=True):
+        v.assign(s)
+    return end
+
+
+@pytest.mark.parametrize("task", ["lm", "classification"])
+def test_sequences_packed_by_the_pipeline_train_as_they_do_alone(sentences, task):
+    """``sequences.pack``'s real rows (several sentences a row, positions restarting, lm
+    labels shifted inside each sentence) give the losses, gradients and SGD updates that
+    each sentence gives alone in a batch of its own: no attention, pooling or next-token
+    label crosses a segment boundary."""
+    from tfspeed.data import sequences
+
+    model = model_for(task, max_segments=8)
+    chosen = sentences[:24]
+    examples = _examples(chosen, task)
+    packed = list(sequences.pack(examples, 64, 4, max_segments=8, long="split",
+                                 drop_remainder=False))
+    assert max(int(x["segment_ids"].numpy().max()) for x, _ in packed) >= 3  # really packed
+    assert len(packed) * 4 < len(chosen)
+    alone = list(sequences.pad(examples, 1))
+    assert len(alone) == len(chosen)
+
+    def totals(batches):
+        sums = [weighted_loss_sum(y, model(x)) for x, y in batches]
+        return sum(float(s) for s, _ in sums), sum(float(w) for _, w in sums)
+
+    (packed_loss, packed_weight), (alone_loss, alone_weight) = totals(packed), totals(alone)
+    assert packed_weight == alone_weight
+    np.testing.assert_allclose(packed_loss, alone_loss, rtol=1e-5)
+    # Two SGD updates, each over half of the sentences, packed and alone.
+    halves = [sequences.pack(_examples(part, task), 64, 4, max_segments=8,
+                             drop_remainder=False) for part in (chosen[:12], chosen[12:])]
+    singles = [sequences.pad(_examples(part, task), 1) for part in (chosen[:12], chosen[12:])]
+    for got, want in zip(_sgd_steps(model, [list(h) for h in halves]),
+                         _sgd_steps(model, [list(s) for s in singles]), strict=True):
+        np.testing.assert_allclose(got, want, atol=1e-5)

@@ -28,7 +28,7 @@ Auto = Literal["auto"]
 
 CACHE_MODES = ("auto", "none", "memory", "disk")
 INPUT_PLACEMENTS = ("auto", "host", "device")
-IMAGE_DTYPES = ("float32", "uint8")
+IMAGE_DTYPES = ("auto", "float32", "uint8")
 PARSE_MODES = ("auto", "batched", "single")
 ON_CORRUPT_MODES = ("skip", "fail")
 DATA_SERVICE_SHARDING = ("off", "dynamic", "file")
@@ -90,7 +90,9 @@ class DataConfig:
         0, "RAM the input may take (memory cache, in-step input, tf.data buffers); 0: half of "
            "the memory available at start.")
     image_dtype: str = option(
-        "float32", "Batches as float32 in [0, 1], or uint8 as stored (the step scales them).",
+        "auto", "Images as float32 in [0, 1], or uint8 as stored (the step scales them: 4x "
+                "fewer bytes to move to the device); auto: uint8 where tfspeed runs the step "
+                "(train, tune, diagnose), float32 from tfspeed.data.build.",
         choices=IMAGE_DTYPES)
     input_placement: str = option(
         "auto", "Where the step gets its batches: host (tf.data), device (the decoded split held "
@@ -227,7 +229,11 @@ class TrainConfig:
         AUTO, "Micro-steps per compiled call (cuts Python overhead), or auto: timed while "
               "training, the smallest power of two whose call overhead is <= 2% of a call.")
     grad_accum_steps: int = option(1, "Micro-batches of --batch_size per optimizer update.")
-    checkpoint_every: int = option(0, "Updates between checkpoints (0: only at the end).")
+    checkpoint_every: int | Auto = option(
+        AUTO, "Updates between checkpoints; auto: every --checkpoint_seconds of training (a "
+              "killed run loses about that), checked at log points; 0: only at the end.")
+    checkpoint_seconds: float = option(
+        60.0, "With --checkpoint_every=auto: seconds of training between checkpoints.")
     keep_checkpoints: int = option(3, "Recent checkpoints kept.")
     eval_steps: int = option(0, "Cap on evaluation batches; 0: the whole split.")
     log_every: int = option(50, "Micro-steps between logged loss and throughput (each log "
@@ -247,8 +253,11 @@ class TrainConfig:
         _count_or_auto("steps_per_execution", self.steps_per_execution, minimum=1)
         _positive("grad_accum_steps", self.grad_accum_steps)
         _non_negative("warmup_steps", self.warmup_steps)
-        _non_negative("checkpoint_every", self.checkpoint_every)
+        _count_or_auto("checkpoint_every", self.checkpoint_every, minimum=0,
+                       rest=" (0: only at the end) or 'auto'")
         _positive("keep_checkpoints", self.keep_checkpoints)
+        if not self.checkpoint_seconds > 0:
+            raise UsageError(f"--checkpoint_seconds={self.checkpoint_seconds} must be > 0")
         _check_choices(self)
         if self.profile_steps and (len(self.profile_steps) != 2 or not
                                    1 <= self.profile_steps[0] <= self.profile_steps[1]):

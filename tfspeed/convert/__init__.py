@@ -14,7 +14,7 @@
   example.py    tf.train.Example records without TensorFlow
   tokenizer.py  text sources' tokenisers: a byte-level BPE trained here, or the user's file
   sources/      the source kinds (imagefolder, csv, npz, tfds, digits; textfolder, jsonl,
-                pystdlib) and image encoding
+                pystdlib, pydocstrings) and image encoding
 
 The format they write (``tfspeed.data.schema``, ``tfspeed.data.integrity``) is shared with the
 read side in ``tfspeed.data``.

@@ -12,9 +12,10 @@
 
 Sources: imagefolder:PATH, csv:PATH, npz:PATH, tfds:NAME (prepared in --tfds_data_dir), digits.
 Text sources: textfolder:PATH (PATH/[<split>/]<class>/<one UTF-8 text per file>), jsonl:PATH
-(--text_field, --label_field), csv:PATH with --text_column, and pystdlib[:PACKAGES] (Python's
+(--text_field, --label_field), csv:PATH with --text_column, pystdlib[:PACKAGES] (Python's
 standard library source, one text per top-level function or class, its package the class: a
-real corpus that needs no download). Texts are tokenised once, here, by the worker processes;
+real corpus that needs no download) and pydocstrings[:PACKAGES] (the same packages' docstrings,
+one short text per documented function, class or method). Texts are tokenised once, here, by the worker processes;
 records hold `tokens` (int64 ids, any length) and `label`, or only `tokens` with --task=lm
 (between bos and eos). Files that are not UTF-8 text, binary files and empty texts are skipped
 and counted in schema.json; so are texts over --max_length with --long=skip.
@@ -29,6 +30,7 @@ from collections.abc import Sequence
 
 from absl import flags, logging
 
+from tfspeed.config import LONG_POLICIES
 from tfspeed.convert import runners, sources
 from tfspeed.convert.converter import ConvertResult, convert
 from tfspeed.errors import UsageError, exit_on_usage_error
@@ -124,16 +126,18 @@ _MAX_LENGTH = flags.DEFINE_integer(
     "max_length", _TEXT.max_length, "Text: the most tokens per record (bos/eos included), >= 2; "
     "0 = no limit.", flag_values=_FLAGS)
 _LONG = flags.DEFINE_enum(
-    "long", _TEXT.long, ["truncate", "split", "skip"], "Text: a text over --max_length is cut "
+    "long", _TEXT.long, list(LONG_POLICIES), "Text: a text over --max_length is cut "
     "(truncate), made into several records (split) or skipped; each counted.", flag_values=_FLAGS)
 _TEXT_FIELD = flags.DEFINE_string(
     "text_field", _TEXT.text_field, "jsonl: the field holding the text.", flag_values=_FLAGS)
 _LABEL_FIELD = flags.DEFINE_string(
-    "label_field", _TEXT.label_field, "jsonl: the field holding the label (none: --task=lm).",
+    "label_field", _TEXT.label_field, "jsonl: the field holding the label; default: 'label' "
+    "where every line has one, else none (a language model; the summary says which).",
     flag_values=_FLAGS)
 _TEXT_COLUMN = flags.DEFINE_string(
     "text_column", _TEXT.text_column, "csv: the column holding a text to tokenise (the label "
-    "column as --label_column; other columns numeric, stored as `features`).", flag_values=_FLAGS)
+    "column as --label_column; no other columns: text records hold tokens and a label).",
+    flag_values=_FLAGS)
 _MAX_ITEMS = flags.DEFINE_integer(
     "max_items", _TEXT.max_items, "Text: convert only this many items (a seeded sample, e.g. "
     "for a quick run); 0 = all.", flag_values=_FLAGS)
@@ -170,7 +174,6 @@ def _main(argv: list[str]) -> int:
         return 0
     _parse(argv)
     _log_to_stderr()
-    workers = _WORKERS.value if _WORKERS.value is not None else _cpu_count()
     result = convert(
         _SOURCE.value,
         _OUTPUT.value,
@@ -178,7 +181,7 @@ def _main(argv: list[str]) -> int:
         target_shard_mb=_TARGET_SHARD_MB.value,
         validation_fraction=_VALIDATION_FRACTION.value,
         seed=_SEED.value,
-        workers=workers,
+        workers=_WORKERS.value,
         runner=_RUNNER.value,
         beam_options=_BEAM_OPTIONS.value,
         image_size=_IMAGE_SIZE.value,
@@ -237,15 +240,9 @@ def _log_to_stderr() -> None:
     logging.set_verbosity(logging.WARNING)  # TFDS' INFO chatter is not for this tool's users
 
 
-def _cpu_count() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
-
-
 def summary_line(result: ConvertResult) -> str:
-    """One line for humans: records, speed, bytes, shards per split, skipped items."""
+    """One line for humans: records, speed, bytes, shards per split, skipped items; for text
+    the tokens, the long-text events and the task (with how to choose the other)."""
     s, schema = result.summary, result.schema
     if result.already_converted:
         return (
@@ -263,7 +260,7 @@ def summary_line(result: ConvertResult) -> str:
     return (
         f"converted {schema.source} into {result.output}: {s['records']} records ({splits}), "
         f"{s['bytes'] / 1e6:.1f} MB, {s['skipped']} skipped, {s['seconds']:.1f} s "
-        f"({s['records_per_sec']:.0f} records/s){_text_counts(s)}{resumed}"
+        f"({s['records_per_sec']:.0f} records/s){_text_counts(s)}{resumed}{_task(schema)}"
     )
 
 
@@ -274,6 +271,12 @@ def _text_counts(summary: dict) -> str:
         return ""
     return (f"; {t['tokens']} tokens, {t['truncated']} truncated, {t['split_into']} split, "
             f"{t['skipped_long']} skipped as too long")
+
+
+def _task(schema) -> str:
+    """A text conversion's task, from what it was chosen and how to choose the other."""
+    note = (schema.text or {}).get("task_note")
+    return f"; task: {note}" if note else ""
 
 
 def convert_main() -> None:

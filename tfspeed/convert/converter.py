@@ -2,7 +2,7 @@
 
 Sources: imagefolder:PATH, csv:PATH, npz:PATH, tfds:NAME (prepared in --tfds_data_dir), digits;
 text (tokenised here, see `tfspeed.convert.sources.text`): textfolder:PATH, jsonl:PATH, csv:PATH
-with a text column, pystdlib.
+with a text column, pystdlib, pydocstrings.
 Rerunning an interrupted conversion resumes it; rerunning a finished one returns at once.
 The command line over it is `tfspeed.convert.cli`.
 """
@@ -26,7 +26,7 @@ from tfspeed.convert import storage as storage_lib
 from tfspeed.convert.sources import lengths
 from tfspeed.data.schema import Schema, Split, names_of
 from tfspeed.errors import UsageError
-from tfspeed.util import locks
+from tfspeed.util import locks, system
 from tfspeed.util.files import write_bytes_atomic
 
 # Bump when the records a given source and options produce change: old outputs then no
@@ -42,7 +42,8 @@ class ConvertResult:
       schema: the finished dataset's schema (as written to ``output/schema.json``).
       summary: ``records`` (in the dataset), ``seconds``, ``records_per_sec`` (written this
         run), ``bytes``, ``shards`` (split -> count), ``skipped``, ``resumed_shards`` (kept
-        from an earlier, interrupted or finished run).
+        from an earlier, interrupted or finished run), ``workers`` (the local runner's
+        writers; None under Beam).
       output: the output directory.
       already_converted: the output already held this conversion; nothing was written.
     """
@@ -61,7 +62,7 @@ def convert(
     target_shard_mb: float = 128.0,
     validation_fraction: float = 0.1,
     seed: int = 0,
-    workers: int = 1,
+    workers: int | None = None,
     runner: str = "local",
     beam_options: str = "",
     image_size: int = 0,
@@ -87,7 +88,8 @@ def convert(
       target_shard_mb: the shard size aimed at when ``shards`` is 0.
       validation_fraction: share of a split-less source held out as ``validation``, in [0, 1).
       seed: seeds the train/validation split and the order of records within each split.
-      workers: processes writing shards with the local runner; 1 writes in this process.
+      workers: processes writing shards with the local runner (1 writes in this process);
+        None = the CPUs available, as on the command line.
       runner: who writes the shards: ``local`` (this machine) or ``beam`` (an Apache Beam
         pipeline); the output is the same bytes either way.
       beam_options: Beam pipeline options as one shell-quoted string, for ``runner="beam"``,
@@ -128,6 +130,7 @@ def convert(
         text=dataclasses.replace(text or sources.TextOptions(), data_dir=os.path.abspath(output)),
     )
     budget = storage_lib.default_raw_budget_mb() if raw_budget_mb is None else raw_budget_mb
+    workers = system.cpus_available() if workers is None else workers
     _check_options(shards, target_shard_mb, workers, budget, options)
     _check_tables(source, options)
     shard_runner = runners.make_runner(runner, workers=workers, beam_options=beam_options)
@@ -146,7 +149,9 @@ def convert(
         with locks.acquire(os.path.join(output, locks.LOCK_FILE), f"--output={output}",
                            "wait for it to finish or stop it, or choose another --output"):
             job = _storage_job(layout, output, budget, overwrite)
-            return _run(job, layout, output, shard_runner, start, overwrite, progress)
+            result = _run(job, layout, output, shard_runner, start, overwrite, progress)
+    writers = workers if runner == "local" else None
+    return dataclasses.replace(result, summary={**result.summary, "workers": writers})
 
 
 def _run(

@@ -113,6 +113,26 @@ def make(spec: str, train_texts: Iterable[str] | None = None) -> Tokenizer:
     return _describe(spec, kind, data)
 
 
+def missing_specials(tok: Tokenizer) -> str:
+    """A warning for a tokeniser without some special tokens ("" when it has them all).
+
+    Batches hold id 0 at padded positions (``tfspeed.data.sequences``), so where id 0 is not
+    a pad token it is a real one that a model masking id 0 cannot tell from padding.
+    """
+    missing = [name for name in SPECIALS if tok.special_ids[name] is None]
+    if not missing:
+        return ""
+    found = f"--tokenizer={tok.spec} has no {', '.join(missing)} token"
+    if tok.special_ids["pad"] is None:
+        first = _parse(tok.kind, tok.data).token(0)
+        found += (f": padded batch positions hold id 0, which is the token {first!r} here, so "
+                  "a model that masks id 0 (keras.layers.Embedding(mask_zero=True)) masks that "
+                  "token too (tfspeed's models read segment_ids instead)")
+    if tok.special_ids["bos"] is None or tok.special_ids["eos"] is None:
+        found += "; --task=lm needs bos and eos"
+    return found
+
+
 def train_bpe(texts: Iterable[str], vocab_size: int) -> bytes:
     """A byte-level BPE (GPT-2 style: any text encodes, ``decode(encode(t)) == t``) trained on
     ``texts``; the same texts in the same order give the same bytes."""
@@ -167,6 +187,12 @@ class _Loaded:
         if self.sp is not None:
             return np.asarray(self.sp.encode(text), np.int64)
         return np.asarray(self.hf.encode(text, add_special_tokens=False).ids, np.int64)
+
+    def token(self, i: int) -> str:
+        """The token (piece) of id ``i``."""
+        if self.sp is not None:
+            return self.sp.id_to_piece(i)
+        return self.hf.id_to_token(i)
 
     def decode(self, ids) -> str:
         ids = [int(i) for i in ids]

@@ -19,6 +19,7 @@ _LAZY = {
     "build_from_config": ("tfspeed.data.pipeline", "build_from_config"),
     "Schema": ("tfspeed.data.schema", "Schema"),
     "read_schema": ("tfspeed.data.schema", "read"),
+    "scaling_layer": ("tfspeed.data.images", "scaling_layer"),
 }
 
 __all__ = sorted(_LAZY)

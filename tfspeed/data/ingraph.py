@@ -77,7 +77,18 @@ def choose(requested: str, config: DataConfig, schema, split: str) -> Placement:
     return Placement("device", f"auto: {size}: held in the step", estimate_mb, budget_mb)
 
 
+def is_in_step(source) -> bool:
+    """Whether a job's train input is held in the step (``InGraphInput`` on TensorFlow,
+    ``ingraph_jax.InStepArrays`` on JAX) rather than an iterator of batches."""
+    return bool(getattr(source, "in_step", False))
+
+
 def _blocker(config: DataConfig, schema=None) -> str:
+    import keras
+
+    if keras.backend.backend() == "jax" and config.augment:
+        return ("on the JAX backend augmentations run in tf.data (the in-step gather holds "
+                "the stored records only)")
     if schema is not None and not schema.named_inputs and (
             schema.input_feature.encoding == "tokens"):
         return ("token records are batched by length (padded, bucketed or packed) by tf.data "
@@ -102,6 +113,8 @@ class InGraphInput:
       augment: ``(element, seed) -> element`` on one record, or None.
       device: where the tensors live (None: TF's default, the host for a CPU job).
     """
+
+    in_step = True  # see is_in_step
 
     def __init__(self, inputs: np.ndarray, labels: np.ndarray, *, global_batch_size: int,
                  seed: int = 0, shuffle: bool = True, augment=None, device: str | None = None):
@@ -164,7 +177,7 @@ class _nothing:
 
 
 def load(config: DataConfig, schema, split: str, training: bool = True, *,
-         global_batch_size: int, device: str | None = None) -> InGraphInput:
+         global_batch_size: int, device: str | None = None, devices=None):
     """Decodes ``split`` once through the pipeline (unshuffled, in its stored order) and
     holds it in-graph.
 
@@ -175,7 +188,8 @@ def load(config: DataConfig, schema, split: str, training: bool = True, *,
       split: the split to hold.
       training: shuffle and augment as ``config`` says (else neither).
       global_batch_size: examples per micro-step over all replicas.
-      device: where to keep the tensors.
+      device: where to keep the tensors (TensorFlow).
+      devices: the JAX engine's devices: an ``ingraph_jax.InStepArrays`` on them instead.
     """
     if schema.input_feature.dtype == "uint8":
         config = dataclasses.replace(config, image_dtype="uint8")  # 4× less memory than float
@@ -190,6 +204,12 @@ def load(config: DataConfig, schema, split: str, training: bool = True, *,
         labels.append(group["label"])
     inputs = (np.concatenate(inputs) if not isinstance(inputs[0], dict) else
               {name: np.concatenate([group[name] for group in inputs]) for name in inputs[0]})
+    if devices is not None:
+        from tfspeed.data.ingraph_jax import InStepArrays
+
+        return InStepArrays(inputs, np.concatenate(labels), global_batch_size=global_batch_size,
+                            seed=config.seed, shuffle=training and config.shuffle,
+                            devices=devices)
     return InGraphInput(inputs, np.concatenate(labels),
                         global_batch_size=global_batch_size, seed=config.seed,
                         shuffle=training and config.shuffle,

@@ -14,6 +14,7 @@ import tensorflow as tf
 from absl import logging
 
 from tfspeed.config import Config
+from tfspeed.data import images as images_lib
 from tfspeed.data import ingraph, pipeline, plan
 
 
@@ -50,7 +51,9 @@ def build(config: Config, schema, strategy, num_train: int, steps_per_epoch: int
     images = schema.input_feature.dtype == "uint8"
     # Images travel as uint8 and are scaled to [0, 1] inside the compiled step: the pipeline
     # (and on an accelerator the host-to-device copy) moves 4× fewer bytes than float32.
-    base = dataclasses.replace(data, image_dtype="uint8") if images else data
+    # Only an explicit --image_dtype=float32 sends floats (diagnose then says what it costs).
+    dtype = ("float32" if data.image_dtype == "float32" else "uint8") if images else "float32"
+    base = dataclasses.replace(data, image_dtype=dtype)
     if batching is not None:
         base = dataclasses.replace(base, batching=batching.mode, max_length=batching.max_length,
                                    tokens_per_batch=batching.tokens_per_batch)
@@ -61,8 +64,10 @@ def build(config: Config, schema, strategy, num_train: int, steps_per_epoch: int
     passes = {data.train_split: -(-micro_steps // max(steps_per_epoch, 1))}
     if data.eval_split:
         passes[data.eval_split] = 1  # evaluated once, at the end
-    configs, report = {}, {"image_dtype": base.image_dtype, "placement": placement.to_json(),
-                           "cache": {}}
+    if images and placement.where == "device":
+        dtype = "uint8"  # the held split is uint8 whatever was asked (4x less memory)
+    configs, report = {}, {"image_dtype": dtype if images else None,
+                           "placement": placement.to_json(), "cache": {}}
     if batching is not None:
         report["batching"] = batching.to_json()
     for split, reads in passes.items():
@@ -90,12 +95,14 @@ def build(config: Config, schema, strategy, num_train: int, steps_per_epoch: int
 
     if placement.where == "device":
         train_input = ingraph.load(configs[data.train_split], schema, data.train_split,
-                                   global_batch_size=data.batch_size, device=device())
+                                   global_batch_size=data.batch_size, device=device(),
+                                   devices=getattr(strategy, "devices", None))
     else:
         train_input = dataset(data.train_split, True)
     return JobInput(train=train_input,
                     eval=dataset(data.eval_split, False) if data.eval_split else None,
-                    configs=configs, preprocess=_scale_images if images else None,
+                    configs=configs,
+                    preprocess=images_lib.scale if images and dtype == "uint8" else None,
                     report=report, batching=batching)
 
 
@@ -113,7 +120,3 @@ def _eval_sequences(eval_steps: int, batching) -> int | None:
 def device() -> str:
     """Where in-graph data lives: the first GPU, else the host."""
     return "/gpu:0" if tf.config.list_logical_devices("GPU") else "/cpu:0"
-
-
-def _scale_images(x):
-    return tf.cast(x, tf.float32) * (1 / 255)

@@ -83,6 +83,7 @@ def events(lengths, max_length: int, long: str, overlap: int = 0,
     """
     lengths = np.asarray(lengths, np.int64).reshape(-1)
     weights = np.ones(lengths.size) if weights is None else np.asarray(weights, float)
+    lengths, weights = lengths[weights > 0], weights[weights > 0]
     over = (lengths > max_length) if max_length else np.zeros(lengths.size, bool)
     out = dict.fromkeys(("truncated", "truncated_tokens", "split", "pieces", "skipped"), 0)
     out.update(sequences=int(round(weights.sum())), over=int(round(weights[over].sum())))
@@ -105,6 +106,8 @@ def piece_counts(counts: np.ndarray, max_length: int, long: str) -> np.ndarray:
     """Per-length counts after the policy: ``counts[n]`` sequences of length n become
     ``out[m]`` pieces of length m (``len(out) == max_length + 1``)."""
     counts = np.asarray(counts, float)
-    made = pieces(np.arange(counts.size), max_length, long)
+    present = np.flatnonzero(counts)  # only lengths that occur: a split's longest can be 10^6
+    made = pieces(present, max_length, long)
     size = (max_length or max(counts.size - 1, 0)) + 1
-    return np.bincount(made.length, weights=counts[made.source], minlength=size)[:size]
+    return np.bincount(made.length, weights=counts[present][made.source],
+                       minlength=size)[:size]

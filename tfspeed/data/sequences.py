@@ -272,39 +272,47 @@ def ungroup(groups: tf.data.Dataset) -> tf.data.Dataset:
     return groups.map(lengths).unbatch().map(cut)
 
 
-def apply_long(ds: tf.data.Dataset, max_length: int, long: str, window: int = 1024,
+def apply_long(ds: tf.data.Dataset, max_length: int, long: str,
                deterministic: bool = True) -> tf.data.Dataset:
-    """The long-text policy (``tfspeed.data.long_texts``) on per-sequence elements, for the
-    modes that do not apply it themselves (``pack`` does, as it packs).
+    """The long-text policy (``tfspeed.data.long_texts``) on per-sequence elements, before
+    any batching: a sequence longer than ``max_length`` becomes its pieces (or is cut, or
+    dropped), by the same numpy function the converter and the packer use.
 
-    A window of sequences at a time, by the same numpy function the converter and the
-    packer use: per group, not per sequence. Add it only where a sequence is longer than
-    ``max_length`` (the schema's lengths tell).
+    Per sequence, before any window is padded: one text of 400,000 tokens in a window of
+    1,024 padded to its length took gigabytes. The numpy call runs only for the sequences
+    over the limit; add the stage only where the split has one (its lengths tell).
     """
     lm = _is_lm(ds)
 
     def cut(tokens, labels):
-        lengths = (tokens >= 0).sum(axis=1)
-        made = long_texts.pieces(lengths, max_length, long)
-        width = int(made.length.max()) if made.length.size else 0
-        column = np.arange(width)[None, :]
+        made = long_texts.pieces([tokens.size], max_length, long)
+        column = np.arange(max_length)[None, :]
         inside = column < made.length[:, None]
-        at = np.minimum(made.offset[:, None] + column, max(tokens.shape[1] - 1, 0))
-        rows = made.source[:, None]
-        pieces = np.where(inside, tokens[rows, at], _PAD).astype(np.int32)
+        at = np.minimum(made.offset[:, None] + column, tokens.size - 1)
+        pieces = np.where(inside, tokens[at], _PAD).astype(np.int32)
         if lm:
-            return pieces, np.where(inside, labels[rows, at], _PAD).astype(np.int32)
-        return pieces, labels[made.source].astype(np.int32)
+            return pieces, np.where(inside, labels[at], _PAD).astype(np.int32)
+        return pieces, np.repeat(labels, made.length.size).astype(np.int32)
 
-    def apply(batch):
-        tokens, labels = tf.numpy_function(cut, [batch["tokens"], batch["label"]],
-                                           [tf.int32, tf.int32], stateful=False)
-        return {"tokens": tf.ensure_shape(tokens, [None, None]),
-                "label": tf.ensure_shape(labels, [None, None] if lm else [None])}
+    def rows(element):
+        tokens, labels = element["tokens"], element["label"]
 
-    groups = group(ds, window).map(apply, num_parallel_calls=AUTOTUNE,
-                                   deterministic=deterministic)
-    return ungroup(groups)
+        def over():
+            made = tf.numpy_function(cut, [tokens, labels], [tf.int32, tf.int32],
+                                     stateful=False)
+            return (tf.ensure_shape(made[0], [None, max_length]),
+                    tf.ensure_shape(made[1], [None, max_length] if lm else [None]))
+
+        def within():
+            return tf.pad(tokens[None], [[0, 0], [0, max_length - tf.size(tokens)]],
+                          constant_values=_PAD), (
+                tf.pad(labels[None], [[0, 0], [0, max_length - tf.size(labels)]],
+                       constant_values=_PAD) if lm else labels[None])
+
+        pieces, labels = tf.cond(tf.size(tokens) > max_length, over, within)
+        return {"tokens": pieces, "label": labels}
+
+    return ungroup(ds.map(rows, num_parallel_calls=AUTOTUNE, deterministic=deterministic))
 
 
 @dataclasses.dataclass

@@ -26,6 +26,15 @@ PACK_WINDOW = 1024  # sequences first-fit together (sequences.pack)
 # auto takes the cheaper mode only when it is predicted this much cheaper than padding each
 # batch to its longest: pad has one shape fewer to trace and no grouping buffer.
 PAD_MARGIN = 0.05
+# Where each batch shape is compiled (XLA: JAX always, TensorFlow's packed rows): one compile
+# costs about this many of the run's batches (the transformer on 2 cores: 2-4 s to compile
+# against 0.1-0.3 s a step), so a short run takes fewer buckets.
+COMPILE_BATCHES = 20.0
+# ... and once compiled, a step runs this much faster: packed rows of the benchmark's
+# transformer on pystdlib, 2 cores, 16,649 real tokens/s with XLA against 11,262 without
+# (benchmarks/results/sequences-2026-11-26*.json). It decides only between a compiled mode
+# and one that is not (TensorFlow on a CPU compiles packed rows alone).
+XLA_GAIN = 1.45
 MODES = ("pad", "bucket", "pack")
 
 
@@ -57,6 +66,7 @@ class Batching:
       long_counts: per split, what the long policy does to one pass
         (``tfspeed.data.long_texts.events``).
       mean_length: the train split's mean sequence (piece) length.
+      replicas: every global batch's sequences or rows are a multiple of this.
       measured: what ``--batching=auto`` timed (seconds per real token per mode), when it did.
     """
 
@@ -75,6 +85,7 @@ class Batching:
     attention_length: float | None = None
     long_counts: dict = dataclasses.field(default_factory=dict)
     mean_length: float = 0.0
+    replicas: int = 1
     measured: dict = dataclasses.field(default_factory=dict)
 
     def to_json(self) -> dict:
@@ -134,15 +145,20 @@ def resolve_max_length(longest_sequence: int, requested: int = 0) -> int:
     return max(2, min(cap, -(-max(longest_sequence, 1) // 8) * 8))
 
 
-def expected_padding(counts: np.ndarray, batch_size: int) -> dict:
+def expected_padding(counts: np.ndarray, batch_size: int, shape_cost: float = 0.0) -> dict:
     """Expected padding fractions of ``counts`` (lengths after the long policy).
+
+    Args:
+      shape_cost: where every bucket's shape is compiled, what one compile costs as a share
+        of the run (``COMPILE_BATCHES`` over its batches); 0: shapes cost nothing.
 
     Returns:
       ``{"pad", "fixed", "bucket", "boundaries", "pad_width"}``: ``pad`` pads a batch of
       ``batch_size`` random sequences to its longest (``pad_width``, E[max] from the length
       distribution), ``fixed`` every sequence to the longest allowed, ``bucket`` each to its
       bucket's boundary, with the fewest buckets (up to ``MAX_BUCKETS``) that bring it under
-      ``BUCKET_PADDING_TARGET``.
+      ``BUCKET_PADDING_TARGET`` (with ``shape_cost``: the number of buckets that costs least,
+      ``(1 + buckets * shape_cost) / (1 - padding)``).
     """
     max_length = len(counts) - 1
     total = counts.sum()
@@ -154,10 +170,16 @@ def expected_padding(counts: np.ndarray, batch_size: int) -> dict:
     cdf = np.cumsum(counts) / total
     below = np.concatenate([[0.0], cdf[:-1]])
     widest = float(np.dot(lengths, cdf ** batch_size - below ** batch_size))
-    for buckets in range(1, MAX_BUCKETS + 1):
-        boundaries, bucket = sequences.choose_boundaries(counts, max_length, buckets)
-        if bucket <= BUCKET_PADDING_TARGET:
-            break
+    if shape_cost:
+        choices = [sequences.choose_boundaries(counts, max_length, k)
+                   for k in range(1, MAX_BUCKETS + 1)]
+        boundaries, bucket = min(choices, key=lambda c: (1 + len(c[0]) * shape_cost)
+                                 / max(1 - c[1], 1e-3))
+    else:
+        for buckets in range(1, MAX_BUCKETS + 1):
+            boundaries, bucket = sequences.choose_boundaries(counts, max_length, buckets)
+            if bucket <= BUCKET_PADDING_TARGET:
+                break
     return {"pad": round(float(1 - mean / widest), 4) if widest else 0.0,
             "fixed": round(float(1 - mean / max_length), 4), "bucket": round(float(bucket), 4),
             "boundaries": [int(b) for b in boundaries], "pad_width": round(widest, 2)}
@@ -179,10 +201,14 @@ def pack_padding(counts: np.ndarray, max_length: int, max_segments: int,
 
 
 def predicted_costs(counts: np.ndarray, padding: dict, max_length: int,
-                    attention_length: float | None) -> dict[str, float]:
+                    attention_length: float | None, compiled=(),
+                    shape_cost: float = 0.0) -> dict[str, float]:
     """Compute per real token of each mode, in units of the per-token work: a row of width
     w costs each of its tokens ``1 + w / K`` (K = ``attention_length``: a token attends to
-    all w positions of its row, the masked ones too), and padding costs as real tokens."""
+    all w positions of its row, the masked ones too), and padding costs as real tokens.
+    A mode in ``compiled`` pays a compile per batch shape, each ``shape_cost`` of the run:
+    one for packed rows, one per bucket, one per width for padded batches; its steps then
+    cost ``1 / XLA_GAIN`` of an uncompiled one's."""
     k = attention_length or float("inf")
     real = float(np.dot(np.arange(len(counts)), counts)) or 1.0
 
@@ -194,9 +220,15 @@ def predicted_costs(counts: np.ndarray, padding: dict, max_length: int,
         held = counts[lower + 1: boundary + 1].sum()
         bucketed += held * boundary * per_token(boundary)
         lower = boundary
-    return {"pad": round(per_token(padding["pad_width"]) / max(1 - padding["pad"], 1e-3), 4),
-            "bucket": round(bucketed / real, 4),
-            "pack": round(per_token(max_length) / max(1 - padding["pack"], 1e-3), 4)}
+    shapes = {"pad": float(np.count_nonzero(counts)), "bucket": len(padding["boundaries"]),
+              "pack": 1}
+    compile_ = {m: (1 + shapes[m] * shape_cost) / XLA_GAIN if m in compiled else 1.0
+                for m in shapes}
+    return {"pad": round(per_token(padding["pad_width"]) / max(1 - padding["pad"], 1e-3)
+                         * compile_["pad"], 4),
+            "bucket": round(bucketed / real * compile_["bucket"], 4),
+            "pack": round(per_token(max_length) / max(1 - padding["pack"], 1e-3)
+                          * compile_["pack"], 4)}
 
 
 def choose(costs: dict[str, float], takes_segments: bool) -> tuple[str, str]:
@@ -212,7 +244,8 @@ def choose(costs: dict[str, float], takes_segments: bool) -> tuple[str, str]:
 
 
 def resolve(config, schema, takes_segments: bool = False, replicas: int = 1,
-            attention_length: float | None = None) -> Batching:
+            attention_length: float | None = None, compiled=(), run_steps: int = 0,
+            run_epochs: float = 0.0) -> Batching:
     """The ``Batching`` of a DataConfig (``batching``, ``max_length``, ``tokens_per_batch``,
     ``long``, ``batch_size``) on a token schema: the one resolver (the job resolves once and
     hands the result to its pipelines, the model, tune and diagnose).
@@ -226,6 +259,9 @@ def resolve(config, schema, takes_segments: bool = False, replicas: int = 1,
       takes_segments: the model takes segment ids (``auto`` may then pack).
       replicas: every global batch is a multiple of this many sequences or rows.
       attention_length: the model's K (see ``Batching``); None: padding alone is counted.
+      compiled: the modes whose every batch shape is compiled on this runtime (XLA).
+      run_steps, run_epochs: the run's length in batches, or in passes over the train split
+        (0: unknown): what share of the run a compile takes.
 
     Raises:
       UsageError: a token budget too small for one row (or the longest bucket) per
@@ -237,13 +273,17 @@ def resolve(config, schema, takes_segments: bool = False, replicas: int = 1,
              if schema.split(name).text}
     t = resolve_max_length(max(map(longest, every.values())), config.max_length)
     counts = long_texts.piece_counts(every[split], t, config.long)
-    padding = expected_padding(counts, config.batch_size)
+    mean = float(np.dot(np.arange(len(counts)), counts)) / max(counts.sum(), 1.0)
+    budget = config.tokens_per_batch or config.batch_size * mean
+    run_batches = run_steps or run_epochs * mean * counts.sum() / max(budget, 1.0)
+    shape_cost = COMPILE_BATCHES / run_batches if run_batches and compiled else 0.0
+    padding = expected_padding(counts, config.batch_size,
+                               shape_cost if "bucket" in compiled else 0.0)
     segments = max(1, t // 8)
     padding["pack"] = pack_padding(counts, t, segments)
     boundaries = _cover(padding["boundaries"], every, t, config.long)
-    mean = float(np.dot(np.arange(len(counts)), counts)) / max(counts.sum(), 1.0)
     tokens = _tokens_per_batch(config, mean, t, boundaries, replicas)
-    costs = predicted_costs(counts, padding, t, attention_length)
+    costs = predicted_costs(counts, padding, t, attention_length, compiled, shape_cost)
     mode, reason = config.batching, f"--batching={config.batching}"
     if mode == "auto":
         mode, reason = choose(costs, takes_segments)
@@ -261,7 +301,7 @@ def resolve(config, schema, takes_segments: bool = False, replicas: int = 1,
         expected_padding=padding, costs=costs, attention_length=attention_length,
         long_counts={name: long_texts.events(np.arange(len(c)), t, config.long, weights=c)
                      for name, c in every.items()},
-        mean_length=round(mean, 2))
+        mean_length=round(mean, 2), replicas=replicas)
 
 
 def _cover(boundaries: list[int], every: dict, max_length: int, long: str) -> list[int]:
@@ -348,8 +388,8 @@ def batch(ds, batching: Batching, *, training: bool, longest: int, num_pipelines
     import tensorflow as tf
 
     t, drop = batching.max_length, training
-    if longest > t and batching.mode != "pack":  # pack applies the policy while packing
-        ds = sequences.apply_long(ds, t, batching.long, PACK_WINDOW, deterministic)
+    if longest > t:  # per sequence, before windows are padded to their longest
+        ds = sequences.apply_long(ds, t, batching.long, deterministic)
     if batching.mode == "pack":
         rows = batching.rows_per_batch // num_pipelines
         ds = sequences.pack(ds, t, rows, window=PACK_WINDOW, max_segments=batching.max_segments,
@@ -357,12 +397,15 @@ def batch(ds, batching: Batching, *, training: bool, longest: int, num_pipelines
         ds = ds if drop else ds.map(lambda x, y: _fill((x, y), rows))
     elif batching.mode == "bucket":
         tokens = batching.tokens_per_batch // num_pipelines
-        ds = sequences.bucket(ds, batching.boundaries, tokens, local_replicas, drop_remainder=drop,
+        # Multiples of the replicas this pipeline feeds, whether it cuts the batch for them
+        # (tf.distribute) or hands it on whole (the JAX engine shards it).
+        multiple = max(local_replicas, batching.replicas // num_pipelines)
+        ds = sequences.bucket(ds, batching.boundaries, tokens, multiple, drop_remainder=drop,
                               deterministic=deterministic)
         if not drop:
             edges = tf.constant(batching.boundaries, tf.int32)
             sizes = tf.constant(sequences.bucket_batch_sizes(batching.boundaries, tokens,
-                                                             local_replicas), tf.int32)
+                                                             multiple), tf.int32)
 
             def fill(x, y):
                 index = tf.argmax(tf.cast(edges == tf.shape(x["tokens"])[1], tf.int32))

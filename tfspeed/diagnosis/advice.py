@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import math
 
+from tfspeed.data import images as images_lib
 from tfspeed.diagnosis.profiling import INPUT_BOUND_HIGH_PCT, INPUT_BOUND_MODERATE_PCT
 
 INPUT_BOUND_RATIO = 0.9  # a pipeline slower than this share of (b) cannot feed the model
 MEMORY_BOUND_SHARE = 0.85  # peak memory above this share of the machine's is the limit
 CONTENTION_RATIO = 0.75  # together below this share of the slower alone: shared CPU
 SHARDS_FOR_INTERLEAVE = 16
-PADDING_SIGNIFICANT = 0.20  # measured padding above this share of computed tokens: advise
-PADDING_MIN_GAIN = 1.1  # an alternative batching must promise this many x real tokens/s
+BATCHING_MIN_GAIN = 1.1  # another batching must promise this many x real tokens/s
 
 
 def decide(config, schema, plan, figures: dict) -> dict:
@@ -50,7 +50,7 @@ def decide(config, schema, plan, figures: dict) -> dict:
         verdict, severity = "compute-bound", ""
         why = f"only {wait:.0f}% of step time waits for input; {figures_line}"
         steps = _compute_steps(config, plan, figures, wait, memory_share)
-    steps += padding_steps(config, schema, figures)
+    steps += batching_steps(config, figures) + image_steps(figures, slow_input)
     steps.sort(key=lambda s: -s.pop("score"))
     return {"verdict": verdict, "severity": severity, "why": why, "next_steps": steps}
 
@@ -163,52 +163,65 @@ def _input_steps(config, schema, figures: dict) -> list[dict]:
     return steps
 
 
-def padding_steps(config, schema, figures: dict) -> list[dict]:
-    """The batching that computes fewer padding tokens, where the measured padding is
-    significant (``PADDING_SIGNIFICANT``): each alternative's expected padding from the
-    split's length histogram (``tfspeed.data.text``), ranked by its real-token gain
-    ``(1 - expected) / (1 - measured)``. Empty for batches without padding figures."""
+def image_steps(figures: dict, slow_input: bool) -> list[dict]:
+    """Images sent as float32 (``--image_dtype=float32``): 4x the bytes of uint8 through
+    the pipeline's last stages and, on an accelerator, the copy to the device, which
+    limits small models there more than decoding does (issue 37: MobileNetV2 on an H100
+    ran at 0.47x its uint8 rate). Ranked first where the device takes the copy or the
+    input is the slower side."""
+    if figures.get("settings", {}).get("image_dtype") != "float32":
+        return []
+    accelerator = any(name.startswith("gpu") for name in figures["memory"])
+    score = 2.0 if accelerator or slow_input else 1.05
+    return [_step(images_lib.float_images_advice(
+        "drop --image_dtype=float32: the default sends uint8 and scales them inside the "
+        "compiled step"), score, "up to 2x on an accelerator; less host work per batch")]
+
+
+def batching_steps(config, figures: dict) -> list[dict]:
+    """A batching predicted to compute less per real token than the job's, ranked by that
+    gain (``text.Batching.costs``: padding, and the attention each token pays over its whole
+    row, masked positions included). Padding shows in a padding fraction; the attention of
+    long packed rows does not ("0% padding" hides it), so each piece of advice names the
+    waste it removes. Empty for batches without token figures."""
     from tfspeed.training import models
 
-    padding = figures.get("padding_fraction")
-    if padding is None or padding < PADDING_SIGNIFICANT:
+    batching = figures.get("batching") or {}
+    costs, mode = batching.get("costs"), batching.get("mode")
+    if not costs or mode not in costs:
         return []
-    data = config.data
-    alternatives = expected_alternatives(data, schema, models.takes_segments(config.model.name))
+    modes = ["pad", "bucket"] + (["pack"] if models.takes_segments(config.model.name) else [])
     steps = []
-    for mode, expected in alternatives.items():
-        gain = (1 - expected) / max(1 - padding, 1e-3)
-        if mode == data.batching or gain < PADDING_MIN_GAIN:
+    for other in modes:
+        gain = costs[mode] / max(costs[other], 1e-9)
+        if other == mode or gain < BATCHING_MIN_GAIN:
             continue
-        how = ("the model takes segment ids, so packed rows keep sequences apart"
-               if mode == "pack" else f"buckets {expected_buckets(data, schema)}")
-        steps.append(_step(
-            f"{padding:.0%} of the tokens computed are padding (--batching={data.batching}): "
-            f"--batching={mode} (expected padding {expected:.0%} from the split's lengths; "
-            f"{how})", gain, f"~{gain:.1f}x real tokens/s"))
+        steps.append(_step(f"{_waste(batching, figures)}: --batching={other} "
+                           f"({_instead(other, batching)})", gain,
+                           f"~{gain:.1f}x real tokens/s (predicted)"))
     return steps
 
 
-def expected_alternatives(data, schema, takes_segments: bool) -> dict[str, float]:
-    """Expected padding fraction of each batching the model can take, from the train
-    split's length counts (``text.resolve``'s figures; ``pack`` by first-fit on samples)."""
-    from tfspeed.data import text
-
-    expected = text.resolve(data, schema).expected_padding
-    out = {"pad": expected["pad"], "bucket": expected["bucket"]}
-    if takes_segments:
-        out["pack"] = expected["pack"]
-    return out
-
-
-def expected_buckets(data, schema) -> list[int]:
-    from tfspeed.data import text
-
-    return text.resolve(data, schema).expected_padding["boundaries"]
+def _waste(batching: dict, figures: dict) -> str:
+    """What the job's batching computes besides real tokens."""
+    padding = figures.get("padding_fraction", 0.0)
+    k, width = batching.get("attention_length"), batching["max_length"]
+    if batching["mode"] == "pack" and k:
+        return (f"packed rows of {width} tokens: each token attends over all {width} "
+                f"positions, other sequences' too (masked, still computed): "
+                f"{width / k:.1f}x its other work, though only {padding:.0%} is padding")
+    return f"{padding:.0%} of the tokens computed are padding (--batching={batching['mode']})"
 
 
-def _split(data, schema) -> str:
-    return data.train_split if data.train_split in schema.splits else next(iter(schema.splits))
+def _instead(mode: str, batching: dict) -> str:
+    expected = batching["expected_padding"]
+    if mode == "pack":
+        return (f"rows of {batching['max_length']} tokens, expected padding "
+                f"{expected['pack']:.0%}; the model keeps packed sequences apart")
+    if mode == "bucket":
+        return (f"buckets {expected['boundaries']}, expected padding {expected['bucket']:.0%}; "
+                "each batch only as wide as its sequences")
+    return f"each batch padded to its longest, expected padding {expected['pad']:.0%}"
 
 
 def _compute_steps(config, plan, figures: dict, wait: float, memory_share: float) -> list:

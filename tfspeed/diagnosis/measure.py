@@ -23,8 +23,10 @@ import os
 import statistics
 import time
 
+import numpy as np
 from absl import logging
 
+from tfspeed.data import ingraph
 from tfspeed.errors import UsageError
 from tfspeed.runtime import hostmem
 
@@ -54,10 +56,10 @@ def measure(job, options: Options, out_dir: str) -> dict:
     from tfspeed.data import pipeline
 
     config, batch = job.config, job.config.data.batch_size
-    in_step = hasattr(job.train_data, "replica_batch")
+    in_step = ingraph.is_in_step(job.train_data)
     batching = job.input_report.get("batching")  # token records: sequences, not examples
     local = pipeline.build_from_config(job.train_data_config, config.data.train_split,
-                                       training=True, schema=job.schema)
+                                       training=True, schema=job.schema, batching=job.batching)
     warmup = options.warmup + min(job.steps_per_epoch, 200)  # fill an in-memory cache
     _say("input alone: up to %d batches after %d to warm up", options.steps, warmup)
     if in_step:  # what the job runs: batches gathered inside the step, no tf.data per step
@@ -113,6 +115,7 @@ def measure(job, options: Options, out_dir: str) -> dict:
                      "input_placement": placement,
                      "precision": job.runtime.precision, "xla": job.runtime.xla,
                      "cache": job.train_data_config.cache,
+                     "image_dtype": job.input_report.get("image_dtype"),
                      **({"batching": batching["mode"],
                          "tokens_per_batch": batching["tokens_per_batch"],
                          "max_length": batching["max_length"]} if batching else {}),
@@ -188,6 +191,8 @@ def _time_in_step_gather(job, options: Options) -> Timing:
     import tensorflow as tf
 
     source, strategy = job.train_data, job.runtime.strategy
+    if job.runtime.backend == "jax":
+        return _time_jax_gather(source, options)
 
     @tf.function
     def gather(start, n):
@@ -201,6 +206,26 @@ def _time_in_step_gather(job, options: Options) -> Timing:
     gather(tf.constant(0, tf.int64), tf.constant(options.warmup, tf.int64)).numpy()
     start = time.perf_counter()
     gather(tf.constant(options.warmup, tf.int64), tf.constant(options.steps, tf.int64)).numpy()
+    return Timing(options.steps / (time.perf_counter() - start), options.steps)
+
+
+def _time_jax_gather(source, options: Options) -> Timing:
+    """``_time_in_step_gather`` on JAX: the batches ``ingraph_jax.InStepArrays`` gathers, in
+    one compiled loop, with no model."""
+    import jax
+    import jax.numpy as jnp
+
+    @jax.jit
+    def gather(arrays, start, n):
+        def body(step, total):
+            x, _ = source.batch(arrays, step)
+            return total + sum(jnp.sum(part[:1]).astype(jnp.float32)
+                               for part in jax.tree_util.tree_leaves(x))
+        return jax.lax.fori_loop(start, start + n, body, jnp.float32(0))
+
+    np.asarray(gather(source.arrays, 0, options.warmup))
+    start = time.perf_counter()
+    np.asarray(gather(source.arrays, options.warmup, options.steps))
     return Timing(options.steps / (time.perf_counter() - start), options.steps)
 
 
@@ -245,11 +270,9 @@ def _token_figures(batching: dict, tokens: dict) -> dict:
             "tokens": {**{k: tokens[k] for k in ("real_tokens", "computed_tokens",
                                                  "sequences")},
                        "computed_tokens_per_sec": tokens["computed_tokens"] / tokens["seconds"]},
-            "batching": {"mode": batching["mode"], "reason": batching["reason"],
-                         "tokens_per_batch": batching["tokens_per_batch"],
-                         "batch_size": batching["batch_size"],
-                         "max_length": batching["max_length"],
-                         "expected_padding": batching["expected_padding"]}}
+            "batching": {k: batching[k] for k in (
+                "mode", "reason", "tokens_per_batch", "batch_size", "max_length",
+                "expected_padding", "costs", "attention_length")}}
 
 
 def _time_engine(engine, iterator, options: Options) -> Timing:
@@ -257,7 +280,7 @@ def _time_engine(engine, iterator, options: Options) -> Timing:
     token counts of the timed steps."""
     n = max(engine.options.steps_per_execution, 1)
     # Each call waits for its result, so the clock (and the time limit) sees whole steps.
-    _bounded(lambda: engine.train(iterator, n)["loss"].numpy(), max(options.warmup // n, 1),
+    _bounded(lambda: np.asarray(engine.train(iterator, n)["loss"]), max(options.warmup // n, 1),
              options.seconds)
     outs = []
     start = time.perf_counter()
@@ -272,19 +295,27 @@ def _time_engine(engine, iterator, options: Options) -> Timing:
 
 
 def _finished(out: dict) -> dict:
-    out["loss"].numpy()
+    np.asarray(out["loss"])
     return out
 
 
 def _profile(engine, iterator, steps: int, out_dir: str) -> dict:
     """(d): a profile of ``steps`` steps, each in its own call, read with xprof."""
+    import keras
+
     from tfspeed.diagnosis import profiling
 
+    if keras.backend.backend() == "jax":
+        # The capture and its step analysis are TensorFlow's profiler and xprof's reading
+        # of it; a JAX step does not show in them. The other figures are measured alike.
+        _say("profile: not on the JAX backend (TensorFlow's profiler does not see its step)")
+        return {"skipped": "not on the JAX backend: TensorFlow's profiler and xprof's step "
+                           "analysis do not see a JAX step; the other figures are measured"}
     _say("profile: %d steps, each in its own call", steps)
     # The first call of the one-step function traces it (and under XLA compiles it): made
     # here, outside the capture, or its seconds count as step time and input wait (xprof
     # once called a packed transformer's step 21% input-bound for it).
-    engine.train_one(iterator)["loss"].numpy()
+    np.asarray(engine.train_one(iterator)["loss"])
     # One edge step on each side of the window: xprof leaves the first and last it sees out.
     edge = profiling.EDGE_STEPS
     window = profiling.ProfileWindow(os.path.join(out_dir, "logs"), 1 + edge, steps + edge)
@@ -299,7 +330,7 @@ def _profile(engine, iterator, steps: int, out_dir: str) -> dict:
 
 def _batches(job):
     """What the engine trains on: the job's in-graph source, or an iterator over its data."""
-    return job.train_data if hasattr(job.train_data, "replica_batch") else iter(job.train_data)
+    return job.train_data if ingraph.is_in_step(job.train_data) else iter(job.train_data)
 
 
 def _stage_times(job, options: Options) -> dict[str, float]:

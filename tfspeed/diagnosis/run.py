@@ -65,6 +65,15 @@ def report_lines(result: dict) -> list[str]:
                      f"tokens/s, {result['padding_fraction']:.0%} of those computed are "
                      f"padding (--batching={batching['mode']}, "
                      f"--tokens_per_batch={batching['tokens_per_batch']})")
+        k = batching.get("attention_length")
+        if k:  # attention over each row's whole width: the waste padding figures do not show
+            width = batching["max_length"] if batching["mode"] == "pack" else None
+            lines.append(
+                "  attention            : a token attends over its whole row: "
+                + (f"{width} positions in packed rows, {width / k:.1f}x its other work"
+                   if width else f"rows only as wide as their batch's (K = {k:.0f})")
+                + "; predicted compute per real token: " + ", ".join(
+                    f"{m} {c:.2f}" for m, c in batching["costs"].items()))
     if result["profile"].get("conclusion"):
         lines.append(f"  xprof: {result['profile']['conclusion']}")
     stages = result["stages_ms_per_batch"]

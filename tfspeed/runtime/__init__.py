@@ -61,6 +61,7 @@ class Plan:
       gpu_memory_growth: allocate GPU memory as needed instead of all at start.
       reasons: one sentence per choice.
       intra_op_threads: threads one op may use (0: TF's default); set by ``setup``.
+      backend: Keras' backend the step runs on (``tensorflow`` or ``jax``).
     """
 
     strategy: str
@@ -71,12 +72,42 @@ class Plan:
     gpu_memory_growth: bool
     reasons: dict[str, str]
     intra_op_threads: int = 0
+    backend: str = "tensorflow"
+
+
+BACKENDS = ("tensorflow", "jax")  # Keras backends tfspeed's engine runs on
+
+
+def backend() -> str:
+    """Keras' backend (``KERAS_BACKEND``), checked: tensorflow (the default) or jax.
+
+    Raises:
+      UsageError: for a backend tfspeed has no engine for.
+    """
+    import keras
+
+    name = keras.backend.backend()
+    if name not in BACKENDS:
+        raise UsageError(unsupported_backend(name))
+    return name
+
+
+def unsupported_backend(name: str) -> str:
+    """The one line for a Keras backend tfspeed has no engine for."""
+    return (f"KERAS_BACKEND={name}: tfspeed's engine runs on tensorflow and jax (tf.data "
+            f"feeds both); there is no {name} step: set KERAS_BACKEND=tensorflow or jax")
 
 
 def detect_hardware() -> Hardware:
-    """Describes this machine's accelerators and CPU features."""
+    """Describes this machine's accelerators and CPU features (as the backend sees them:
+    on JAX its devices, on TensorFlow TF's)."""
     import tensorflow as tf
 
+    if backend() == "jax":
+        from tfspeed.runtime import jax_backend
+
+        return Hardware(gpus=jax_backend.gpus(), tpus=jax_backend.tpus(),
+                        cpu_flags=hostmem.cpu_flags(), cluster_tasks=cluster_tasks())
     gpus = []
     for gpu in tf.config.list_physical_devices("GPU"):
         details = tf.config.experimental.get_device_details(gpu)
@@ -111,12 +142,16 @@ def cluster_tasks(environ=None) -> int:
     return tasks
 
 
-def resolve(config: RuntimeConfig, hw: Hardware) -> Plan:
-    """Turns ``config`` (possibly ``auto``) into concrete choices for ``hw``.
+def resolve(config: RuntimeConfig, hw: Hardware, backend_name: str = "tensorflow") -> Plan:
+    """Turns ``config`` (possibly ``auto``) into concrete choices for ``hw`` on Keras'
+    ``backend_name``.
 
     Raises:
-      UsageError: for settings this machine cannot honour, naming the flag and the fix.
+      UsageError: for settings this machine (or backend) cannot honour, naming the flag and
+        the fix.
     """
+    if backend_name == "jax":
+        return _resolve_jax(config, hw)
     reasons = {}
     if config.cpu_replicas and hw.gpus:
         raise UsageError(f"--cpu_replicas={config.cpu_replicas} splits the CPU for testing, but "
@@ -191,6 +226,32 @@ def for_batching(runtime: Runtime, config: RuntimeConfig, batching: str) -> Runt
                                                                  reasons=reasons))
 
 
+def _resolve_jax(config: RuntimeConfig, hw: Hardware) -> Plan:
+    """``resolve`` on JAX: data parallelism over the devices instead of a strategy, every
+    step compiled (jit), and no float16 loss scaling (bfloat16 where the hardware has it)."""
+    if config.precision == "mixed_float16":
+        raise UsageError("--precision=mixed_float16 needs loss scaling, which tfspeed runs on "
+                         "the TensorFlow backend; on JAX use --precision=auto "
+                         "(mixed_bfloat16 where the hardware has it)")
+    if config.strategy == "multi_worker":
+        raise UsageError("--strategy=multi_worker runs on the TensorFlow backend; on JAX train "
+                         "on one host's devices (--strategy=mirrored)")
+    plan = resolve(dataclasses.replace(config, xla="on"),
+                   dataclasses.replace(hw, cluster_tasks=0))
+    reasons = dict(plan.reasons)
+    if hw.cluster_tasks > 1:
+        reasons["strategy"] += "; TF_CONFIG's cluster is TensorFlow's: ignored on JAX"
+    precision = plan.precision
+    if precision == "mixed_float16":  # auto chose it for a GPU before Ampere
+        precision = "float32"
+        reasons["precision"] = ("auto: this GPU has float16 but not bfloat16 tensor cores, and "
+                                "float16 loss scaling runs on the TensorFlow backend: float32")
+    reasons["xla"] = ("JAX compiles every step (jit)" if config.xla != "off" else
+                      "--xla=off has no effect on JAX: every step is compiled (jit)")
+    return dataclasses.replace(plan, precision=precision, loss_scale=False, xla=True,
+                               reasons=reasons, backend="jax")
+
+
 def _auto_precision(hw: Hardware) -> tuple[str, str]:
     if hw.tpus:
         return "mixed_bfloat16", "auto: TPU computes in bfloat16 natively"
@@ -223,6 +284,11 @@ class Runtime:
     @property
     def num_replicas(self) -> int:
         return self.strategy.num_replicas_in_sync
+
+    @property
+    def backend(self) -> str:
+        """``tensorflow`` or ``jax``: which engine runs the step."""
+        return self.plan.backend
 
     @property
     def precision(self) -> str:
@@ -264,6 +330,7 @@ class Runtime:
 
     def to_json(self) -> dict:
         return {
+            "backend": self.plan.backend,
             "strategy": self.plan.strategy,
             "num_workers": self.num_workers,
             "worker_index": self.worker_index,
@@ -301,8 +368,21 @@ def setup(config: RuntimeConfig, hw: Hardware | None = None,
     import keras
     import tensorflow as tf
 
+    name = backend()
+    if name == "jax" and config.cpu_replicas > 1:  # before anything starts JAX's backends
+        from tfspeed.runtime import jax_backend
+
+        jax_backend.split_cpu(config.cpu_replicas)
     hw = hw or detect_hardware()
-    plan = resolve(config, hw)
+    plan = resolve(config, hw, name)
+    if name == "jax":
+        from tfspeed.runtime import jax_backend
+
+        keras.mixed_precision.set_global_policy(plan.precision)
+        plan = dataclasses.replace(plan, reasons={
+            **plan.reasons, "intra_op_threads": "JAX: the step runs on XLA's own threads; "
+            "TensorFlow's setting (its default) is left to tf.data"})
+        return Runtime(strategy=jax_backend.make_strategy(plan), plan=plan)
     plan = _with_threads(plan, config, hw, forward_flops)
     if plan.gpu_memory_growth:
         for gpu in tf.config.list_physical_devices("GPU"):
@@ -342,9 +422,16 @@ def split_cpu(replicas: int) -> None:
     """Splits the CPU into ``replicas`` logical devices, for MirroredStrategy on a CPU machine.
 
     Must run before TensorFlow initialises its devices (before any dataset, tensor or model
-    is made); afterwards it logs a warning and changes nothing.
+    is made); afterwards it logs a warning and changes nothing. On the JAX backend: that many
+    JAX CPU devices, before JAX starts its backends.
     """
     import tensorflow as tf
+
+    if backend() == "jax":
+        from tfspeed.runtime import jax_backend
+
+        jax_backend.split_cpu(replicas)
+        return
 
     cpu = tf.config.list_physical_devices("CPU")[0]
     current = tf.config.get_logical_device_configuration(cpu) or []

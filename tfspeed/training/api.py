@@ -102,12 +102,33 @@ def fit(model, train, validation=None, *, epochs: int | None = None,
                 weight_scale=job.weight_scale)
         out = {**dataclasses.asdict(result), "runtime": job.runtime.to_json(),
                "objectives": job.objectives.report, "model_dir": config.model_dir,
-               "config": config.to_json()}
+               "config": config.to_json(), **_image_input(train)}
         if job.runtime.is_chief:
             out["saved"] = checkpoints.export_model(job.model, config.model_dir)
             report.write(config.model_dir, out)
     report.check_evaluation(result.eval_metrics, config.model_dir)
     return {**out, "model": job.model}
+
+
+def _image_input(train) -> dict:
+    """Image batches: the dtype they travel in, and where float32 ones go to the device
+    (4x the bytes of uint8), the fix, logged once: ``tfspeed.fit`` does not own the model,
+    so it cannot move the scale into it as the driver does."""
+    from absl import logging
+
+    from tfspeed.data import images
+
+    x = train.element_spec[0]
+    if images.float_images(x):
+        advice = images.float_images_advice(
+            "build the data with tfspeed.data.build(..., image_dtype='uint8') and put "
+            "tfspeed.data.scaling_layer() first in the model: the scale then runs inside the "
+            "compiled step")
+        logging.warning("%s", advice)
+        return {"input": {"image_dtype": x.dtype.name, "advice": advice}}
+    if getattr(x, "shape", None) is not None and x.shape.rank == 4:
+        return {"input": {"image_dtype": x.dtype.name}}
+    return {}
 
 
 @dataclasses.dataclass
@@ -180,7 +201,9 @@ def _probe_engine(model, goals, config, rt, batch, sequences, first):
 def _first_weight(batch) -> float:
     """Token batches: the first batch's weight (real tokens, or sequences): the constant
     each micro-batch's summed loss is divided by, so it keeps a mean's magnitude."""
-    return max(1.0, float(batch[1]["weight"].numpy().sum()))
+    import numpy as np
+
+    return max(1.0, float(np.asarray(batch[1]["weight"]).sum()))
 
 
 def _keras_model():
@@ -231,15 +254,15 @@ def _token_batches(dataset) -> bool:
 def _check_classes(model, batch, name: str) -> None:
     """A classifier's outputs cover the first batch's labels: the command line checks the
     model against the schema's classes; here the data's own labels are all there is."""
+    import keras
     import numpy as np
-    import tensorflow as tf
 
     x, y = batch
-    labels = tf.nest.flatten(y)[0]
-    outputs = tf.nest.flatten(model(x, training=False))[0]
-    if outputs.shape.rank != 2 or outputs.shape[-1] == 1 or not labels.dtype.is_integer:
+    labels = np.asarray(keras.tree.flatten(y)[0])
+    outputs = keras.tree.flatten(model(x, training=False))[0]
+    if len(outputs.shape) != 2 or outputs.shape[-1] == 1 or labels.dtype.kind not in "iu":
         return
-    n, top = int(outputs.shape[-1]), int(np.max(labels.numpy()))
+    n, top = int(outputs.shape[-1]), int(np.max(labels))
     if top >= n:
         raise UsageError(f"the model outputs {n} classes, but {name}'s labels reach {top}; end "
                          f"the model with keras.layers.Dense({top + 1}) or more, or relabel "
@@ -272,10 +295,15 @@ def _runtime(strategy, config, model):
     from tfspeed import runtime
 
     built = isinstance(model, keras.Model)
+    jax = runtime.backend() == "jax"  # the engine places the arrays: no scope to build in
     if built:  # its layers have their dtypes already
         config = dataclasses.replace(config, precision=model.dtype_policy.name)
+    if strategy is not None and not isinstance(strategy, str) and jax:
+        raise UsageError(f"strategy={type(strategy).__name__} is TensorFlow's; on the JAX "
+                         "backend pass strategy='mirrored' (data parallel over the devices) or "
+                         "'default'")
     if strategy is None or isinstance(strategy, str):
-        if built and config.strategy not in ("auto", "default"):
+        if built and config.strategy not in ("auto", "default") and not jax:
             raise UsageError(f"strategy={config.strategy!r} needs the model built in its scope: "
                              "pass a function that builds the model, and tfspeed calls it there")
         if built:

@@ -11,11 +11,14 @@ from __future__ import annotations
 import glob
 import json
 import os
+import time
 
+import numpy as np
 import tensorflow as tf
 from absl import logging
 
-from tfspeed.config import TrainConfig
+from tfspeed.config import TrainConfig, is_auto
+from tfspeed.data import ingraph
 from tfspeed.errors import UsageError, storage_error
 from tfspeed.training.engine import Engine
 
@@ -55,27 +58,6 @@ class LossDiverged(UsageError):
     """The training loss or the weights became NaN/Inf; nothing of it was checkpointed."""
 
 
-def _variables_module(engine: Engine) -> tf.Module:
-    """The training state as the ``tf.Variable``s behind the Keras variables.
-
-    Async checkpointing of Keras 3 ``Variable`` objects fails from the second save on
-    ("tf.function only supports singleton tf.Variables", raised in Keras'
-    ``_copy_trackable_to_cpu``); the underlying TF variables save asynchronously fine.
-    Variables are keyed by position: layer names (``dense_12``) depend on what else the
-    process built, positions only on the architecture.
-    """
-    state = tf.Module()
-    state.model = [v.value for v in engine.model.variables]
-    state.optimizer = [v.value for v in engine.optimizer.variables]
-    state.engine = engine.checkpoint_items["engine"]
-    return state
-
-
-@tf.function
-def _all_finite(variables) -> tf.Tensor:
-    return tf.reduce_all([tf.reduce_all(tf.math.is_finite(v)) for v in variables])
-
-
 class Checkpoints:
     """Model, optimizer, engine state (accumulators, counters, loss scale) and the input
     position under ``model_dir/checkpoints``, every ``checkpoint_every`` updates, keeping
@@ -93,14 +75,18 @@ class Checkpoints:
             with collectives), but only the chief into the run directory.
           asynchronous: write checkpoints in a background thread.
         """
-        self.engine, self.every = engine, config.checkpoint_every
+        self.engine = engine
+        # auto: by the clock, at log points (where every worker of a job agrees on it).
+        self.every = 0 if is_auto(config.checkpoint_every) else config.checkpoint_every
+        self.seconds = config.checkpoint_seconds if is_auto(config.checkpoint_every) else 0.0
+        self._saved_at = time.monotonic()
         self.directory = os.path.join(model_dir, "checkpoints")
         self.write_directory = os.path.join(write_dir or model_dir, "checkpoints")
         self.asynchronous = asynchronous
         self.keep = config.keep_checkpoints
         self.k = config.grad_accum_steps
         # In-graph input: the position is the engine's micro-step, restored with the rest.
-        self.in_graph = hasattr(iterator, "replica_batch")
+        self.in_graph = ingraph.is_in_step(iterator)
         try:
             self._track(None if self.in_graph else iterator)
         except ValueError:
@@ -109,8 +95,6 @@ class Checkpoints:
             self._track(None, f"{type(iterator).__name__} cannot be checkpointed")
         self._set_options()
         self.last_saved = -1
-        self._floats = [v.value for v in engine.model.variables + engine.optimizer.variables
-                        if tf.as_dtype(v.dtype).is_floating]
 
     @property
     def restores_position(self) -> bool:
@@ -125,7 +109,7 @@ class Checkpoints:
             enable_async=self.asynchronous and not self.has_iterator)
 
     def _track(self, iterator, why: str = "") -> None:
-        items = {"state": _variables_module(self.engine)}
+        items = {"state": self.engine.checkpoint_state()}
         self.has_iterator = iterator is not None
         if iterator is not None:
             items["iterator"] = iterator
@@ -171,7 +155,8 @@ class Checkpoints:
             return 0
         if damaged:
             self._set_aside(damaged, state, [p for p in complete if p not in damaged])
-        updates = int(self.engine.optimizer.iterations.numpy())
+        self.engine.after_restore()
+        updates = int(self.engine.updates)
         logging.info("resumed from %s at update %d", path, updates)
         self.last_saved = updates
         return updates
@@ -215,11 +200,19 @@ class Checkpoints:
                                                   max_to_keep=self.keep)
 
     def maybe_save(self, updates: int) -> None:
+        """Saves every ``checkpoint_every`` updates (call after each call of steps)."""
         if self.every and updates // self.every > max(self.last_saved, 0) // self.every:
             self._save(updates)
 
+    def maybe_save_in_time(self, updates: int, agree=lambda seconds: seconds) -> None:
+        """``checkpoint_every=auto``: saves once ``checkpoint_seconds`` have passed since the
+        last save (call at log points; ``agree`` makes every worker of a multi-worker job
+        take the same decision: a save holds collectives)."""
+        if self.seconds and agree(time.monotonic() - self._saved_at) >= self.seconds:
+            self._save(updates)
+
     def save(self, final: bool = False) -> None:
-        updates = int(self.engine.optimizer.iterations.numpy())
+        updates = int(self.engine.updates)
         if updates != self.last_saved:
             self._save(updates)
         if final:
@@ -233,12 +226,12 @@ class Checkpoints:
         a visible share of a tiny model's log window) and before each save (the weights too: a
         checkpoint never holds a diverged state), never per step.
         """
-        step, loss = (t.numpy() for t in self.engine.first_nonfinite_loss)
+        step, loss = (np.asarray(t) for t in self.engine.first_nonfinite_loss)
         if step:
             what = (f"loss became {'NaN' if loss != loss else 'Inf'} at update "
                     f"{(step - 1) // self.k + 1} (micro-step {step})")
-        elif weights and not bool(_all_finite(self._floats)):
-            updates = int(self.engine.optimizer.iterations.numpy())
+        elif weights and not self.engine.all_finite():
+            updates = int(self.engine.updates)
             what = f"the weights became NaN/Inf by update {updates}"
         else:
             return
@@ -250,6 +243,8 @@ class Checkpoints:
 
     def _save(self, updates: int) -> None:
         self.check_finite()
+        self._saved_at = time.monotonic()
+        self.engine.before_save()
         try:
             self.manager.save(checkpoint_number=updates, options=self.options)
         except tf.errors.OpError as e:

@@ -41,12 +41,19 @@ from tfspeed.training.engine_state import (  # noqa: F401 -- EngineOptions re-ex
     EngineState,
     check_arguments,
     ensure_cpu_devices,
+    fill_empty_rows,
     sparse_accuracy,
     token_counts,
 )
 
 LossFn = Callable[[tf.Tensor, tf.Tensor], tf.Tensor]
 _SUM = tf.distribute.ReduceOp.SUM
+
+
+@tf.function
+def _all_finite(variables) -> tf.Tensor:
+    return tf.reduce_all([tf.reduce_all(tf.math.is_finite(v)) for v in variables])
+
 _ONLY_FIRST = tf.VariableAggregation.ONLY_FIRST_REPLICA
 
 
@@ -155,6 +162,11 @@ class Engine:
         steps = self.options.steps_per_execution if steps is None else steps
         return self._train_fn(iterator, tf.constant(steps, tf.int32))
 
+    def is_warm(self, steps: int) -> bool:
+        """Whether a call of ``steps`` runs a function traced already: the step count is a
+        tensor, so after the first call every one is."""
+        return self.compiled_functions > 0
+
     def train_one(self, iterator: Iterable) -> dict[str, tf.Tensor]:
         """One micro-step, without the in-graph loop; returns what `train` returns.
 
@@ -191,6 +203,49 @@ class Engine:
         `tf.train.Checkpoint(**engine.checkpoint_items)`."""
         return {"model": self.model, "optimizer": self.optimizer, "engine": self._state}
 
+    def checkpoint_state(self) -> tf.Module:
+        """The training state as the ``tf.Variable``s behind the Keras variables, for
+        ``tfspeed.training.checkpoints``.
+
+        Async checkpointing of Keras 3 ``Variable`` objects fails from the second save on
+        ("tf.function only supports singleton tf.Variables", raised in Keras'
+        ``_copy_trackable_to_cpu``); the underlying TF variables save asynchronously fine.
+        Variables are keyed by position: layer names (``dense_12``) depend on what else the
+        process built, positions only on the architecture.
+        """
+        state = tf.Module()
+        state.model = [v.value for v in self.model.variables]
+        state.optimizer = [v.value for v in self.optimizer.variables]
+        state.engine = self._state
+        return state
+
+    def before_save(self) -> None:
+        """Nothing to copy: the checkpointed variables are the ones the step updates."""
+
+    def after_restore(self) -> None:
+        """Nothing to copy back (see ``before_save``)."""
+
+    def sync_model(self) -> None:
+        """The model's variables are the trained ones already."""
+
+    def all_finite(self) -> bool:
+        """Whether every weight and optimizer value is finite (one host sync)."""
+        floats = [v.value for v in self.model.variables + self.optimizer.variables
+                  if tf.as_dtype(v.dtype).is_floating]
+        return bool(_all_finite(floats))
+
+    @property
+    def learning_rate(self):
+        """The optimizer's current learning rate (its schedule at this update), as a value:
+        under tf.distribute the optimizer's is a MirroredVariable, which float() refuses."""
+        rate = self.optimizer.learning_rate
+        return rate.numpy() if hasattr(rate, "numpy") else rate
+
+    @property
+    def updates(self) -> tf.Tensor:
+        """Optimizer updates applied so far."""
+        return self.optimizer.iterations.value.read_value()
+
     @property
     def micro_steps(self) -> tf.Tensor:
         """Micro-batches trained on so far (int64 scalar)."""
@@ -225,6 +280,8 @@ class Engine:
         """This replica's summed per-example loss, regularisation loss, summed per-example
         metrics (a vector, in ``metric_names`` order) and example count (weighted: the sum
         of the weights)."""
+        if self.weighted:
+            x = fill_empty_rows(x, y["weight"])
         outputs = tf.cast(self.model(self._preprocess(x), training=training), tf.float32)
         per_example = tf.cast(self._loss_fn(y, outputs), tf.float32)
         if not self.weighted and per_example.shape.rank != 1:

@@ -6,10 +6,12 @@ checkpoint holds a half-accumulated update. Also the per-batch helpers the step 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
 
 import keras
 import tensorflow as tf
+
+from tfspeed.training import batch_ops
+from tfspeed.training.batch_ops import fill_empty_rows, sparse_accuracy  # noqa: F401
 
 _ONLY_FIRST = tf.VariableAggregation.ONLY_FIRST_REPLICA
 
@@ -112,23 +114,10 @@ def _accumulator_dtype(dtype) -> tf.DType:
 
 
 def token_counts(x) -> tf.Tensor:
-    """int64 `[real tokens, computed tokens, sequences]` of a token batch (a dict with
-    `segment_ids`, 0 at padding), or an empty vector for any other input."""
-    if not isinstance(x, Mapping) or "segment_ids" not in x:
-        return tf.zeros([0], tf.int64)
-    segments = x["segment_ids"]
-    real = segments > 0
-    # A sequence starts where a real token's segment id differs from its left neighbour's.
-    previous = tf.pad(segments[:, :-1], [[0, 0], [1, 0]])
-    starts = tf.logical_and(real, tf.not_equal(segments, previous))
-    return tf.stack([tf.math.count_nonzero(real), tf.size(segments, out_type=tf.int64),
-                     tf.math.count_nonzero(starts)])
-
-
-def sparse_accuracy(labels, outputs):
-    """1.0 where the arg-max of the outputs (logits or probabilities) equals the label."""
-    labels = tf.reshape(tf.cast(labels, tf.int64), [-1])  # [B] or [B, 1]
-    return tf.cast(tf.equal(tf.argmax(outputs, axis=-1), labels), tf.float32)
+    """int64 ``[real tokens, computed tokens, sequences]`` of a token batch, or an empty
+    vector for any other input (``batch_ops.token_counts``)."""
+    counts = batch_ops.token_counts(x)
+    return tf.zeros([0], tf.int64) if counts is None else tf.cast(counts, tf.int64)
 
 
 def check_arguments(model, optimizer, strategy, options, global_batch_size) -> None:
@@ -151,5 +140,7 @@ def check_arguments(model, optimizer, strategy, options, global_batch_size) -> N
         ("model", model.trainable_variables[0]),
         ("optimizer", optimizer.iterations),
     ):
+        if strategy is None:  # the JAX engine: arrays are placed, not created in a scope
+            break
         if not strategy.extended.variable_created_in_scope(variable.value):
             raise ValueError(f"create the {what} under strategy.scope() of the engine's strategy")

@@ -122,6 +122,10 @@ def _build(config: Config, rt, lock: locks.Lock | None, converted_s: float = 0.0
     from tfspeed.data import schema as schema_lib
     from tfspeed.data import text as text_lib
 
+    if config.train.profile_steps and rt.backend == "jax":
+        raise UsageError("--profile_steps captures with TensorFlow's profiler, which does not "
+                         "see a step on the JAX backend; drop it, or run with "
+                         "KERAS_BACKEND=tensorflow to profile")
     prepare_seconds = converted_s + (_prepare_data(config) if rt.is_chief
                                      else _wait_for_data(config))
     schema = schema_lib.read(config.data.data_dir)
@@ -212,8 +216,20 @@ def resolve_batching(config: Config, rt, schema):
     from tfspeed.training import models
 
     k = models.attention_length(config.model, schema.task, schema.num_outputs)
+    train = config.train
     return text.resolve(config.data, schema, models.takes_segments(config.model.name),
-                        rt.num_replicas, attention_length=k)
+                        rt.num_replicas, attention_length=k,
+                        compiled=_compiled_modes(config, rt),
+                        run_steps=train.train_steps * train.grad_accum_steps,
+                        run_epochs=0 if train.train_steps else train.epochs)
+
+
+def _compiled_modes(config: Config, rt) -> tuple[str, ...]:
+    """The batchings whose every batch shape compiles on this runtime: all of them on JAX
+    or under XLA; on TensorFlow with ``--xla=auto`` packed rows (``runtime.for_batching``)."""
+    if rt.backend == "jax" or rt.plan.xla:
+        return ("pad", "bucket", "pack")
+    return ("pack",) if config.runtime.xla == "auto" else ()
 
 def build_engine(config: Config, rt, model, goals, preprocess=None,
                  total_updates: int = PROBE_UPDATES, batching=None):
@@ -297,10 +313,10 @@ def _measure_precision(config: Config, rt, schema, inputs, input_shape, steps_pe
     """``measure_precision`` for the driver's job: the job's model on a held real batch."""
     import tensorflow as tf
 
-    from tfspeed.data import pipeline
+    from tfspeed.data import ingraph, pipeline
 
     data = config.data
-    if hasattr(inputs.train, "replica_batch"):
+    if ingraph.is_in_step(inputs.train):
         source = inputs.train
     else:
         plain = dataclasses.replace(inputs.configs[data.train_split], shuffle=False,

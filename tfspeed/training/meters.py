@@ -64,8 +64,9 @@ class ThroughputMeter:
             return {}
         self.windows.append((steps, seconds, input_wait_s))
         self.window_tokens.append(tuple(tokens))
-        return {**_figures(steps, seconds, input_wait_s, self.global_batch_size),
-                **_token_figures(*tokens, seconds)}
+        return _examples_are_sequences({
+            **_figures(steps, seconds, input_wait_s, self.global_batch_size),
+            **_token_figures(*tokens, seconds)})
 
     def tick(self, steps: int, step: int, input_wait_s: float = 0.0,
              also: dict[str, float] | None = None,
@@ -147,10 +148,11 @@ class ThroughputMeter:
                 "input_wait_pct": 100 * statistics.median(
                     min(wait / seconds, 1.0) for _, seconds, wait in windows),
             }
-        return {**summary, **self._token_summary(measured >= self.MIN_STEPS),
-                "steps_measured": measured, "steps_excluded": excluded,
-                "seconds_measured": sum(seconds for _, seconds, _ in self.windows),
-                "too_few_steps": measured < self.MIN_STEPS}
+        return _examples_are_sequences({
+            **summary, **self._token_summary(measured >= self.MIN_STEPS),
+            "steps_measured": measured, "steps_excluded": excluded,
+            "seconds_measured": sum(seconds for _, seconds, _ in self.windows),
+            "too_few_steps": measured < self.MIN_STEPS})
 
     def _token_summary(self, enough: bool) -> dict:
         everything = self.window_tokens + self.excluded_tokens
@@ -168,6 +170,14 @@ class ThroughputMeter:
             rates = _token_figures(real, computed, sequences, seconds)
         return {**rates, "padding_fraction": 1.0 - real / computed,
                 "real_tokens_measured": sum(t[0] for t in self.window_tokens)}
+
+
+def _examples_are_sequences(figures: dict) -> dict:
+    """Token batches hold a varying number of sequences: their examples/s is sequences/s,
+    never the batch size over the step time."""
+    if "sequences_per_sec" in figures:
+        figures["examples_per_sec"] = figures["sequences_per_sec"]
+    return figures
 
 
 def _token_figures(real: int, computed: int, sequences: int, seconds: float) -> dict:

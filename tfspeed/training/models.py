@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import keras
+import numpy as np
 
 from tfspeed.config import ModelConfig
 from tfspeed.errors import UsageError
@@ -36,6 +37,8 @@ class RematBlock(keras.layers.Layer):
         self.inner.build(input_shape)
 
     def call(self, x, training=None):
+        if keras.backend.backend() == "jax":  # jax.checkpoint, through Keras
+            return keras.remat(lambda t: self.inner(t, training=training))(x)
         import tensorflow as tf
 
         return tf.recompute_grad(lambda t: self.inner(t, training=training))(x)
@@ -224,12 +227,10 @@ def build_user_model(spec: str, input_shape, num_outputs: int,
         raise UsageError(f"--model={spec} returned {type(model).__name__}, not a keras.Model; "
                          "return one from function(input_shape, num_outputs)")
     # One call on a single zero example builds a subclassed model too (compute_output_shape
-    # is not defined for those) and tells the output shape.
-    import tensorflow as tf
-
-    zeros = ({name: tf.zeros([1, *s]) for name, s in input_shape.items()}
-             if isinstance(input_shape, dict) else tf.zeros([1, *input_shape]))
-    shape = (None, *tf.nest.flatten(model(zeros))[0].shape[1:])
+    # is not defined for those) and tells the output shape. NumPy: any backend takes it.
+    zeros = ({name: np.zeros([1, *s], "float32") for name, s in input_shape.items()}
+             if isinstance(input_shape, dict) else np.zeros([1, *input_shape], "float32"))
+    shape = (None, *keras.tree.flatten(model(zeros))[0].shape[1:])
     if len(shape) != 2 or shape[-1] != num_outputs:
         raise UsageError(f"--model={spec} outputs shape {shape}, the task needs (None, "
                          f"{num_outputs}): end the model with keras.layers.Dense({num_outputs})")
@@ -247,15 +248,13 @@ def build_mlp_named(config: ModelConfig, input_shapes: dict, num_classes: int) -
 
 
 def _build_user_text_model(function, spec: str, input_shape, num_outputs: int) -> keras.Model:
-    import tensorflow as tf
-
     model = function(input_shape, num_outputs)
     if not isinstance(model, keras.Model):
         raise UsageError(f"--model={spec} returned {type(model).__name__}, not a keras.Model; "
                          "return one from function(input_shape, num_outputs)")
-    ones = tf.ones([1, 8], tf.int32)  # one real sequence of 8 tokens
-    probe = {"tokens": ones, "segment_ids": ones, "positions": tf.range(8)[None]}
-    shape = (None, *tf.nest.flatten(model(probe))[0].shape[1:])
+    ones = np.ones([1, 8], "int32")  # one real sequence of 8 tokens
+    probe = {"tokens": ones, "segment_ids": ones, "positions": np.arange(8, dtype="int32")[None]}
+    shape = (None, *keras.tree.flatten(model(probe))[0].shape[1:])
     if len(shape) != 3 or shape[-1] != num_outputs:
         raise UsageError(f"--model={spec} outputs shape {shape}; token records need logits "
                          f"(batch, S, {num_outputs}) for classification (S sequences per row) "

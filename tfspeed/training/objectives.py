@@ -29,11 +29,10 @@ import dataclasses
 from collections.abc import Callable, Sequence
 
 import keras
-import tensorflow as tf
 
 from tfspeed.errors import UsageError
 from tfspeed.training import transformer
-from tfspeed.training.engine_state import sparse_accuracy
+from tfspeed.training.batch_ops import sparse_accuracy
 
 TASKS = ("classification", "regression", "lm")
 DEFAULT_LOSS = {"classification": "sparse_categorical_crossentropy", "regression": "mse",
@@ -223,7 +222,8 @@ def _float_labels(fn):
     """Regression targets as float32 of the outputs' shape."""
 
     def wrapped(labels, outputs):
-        labels = tf.reshape(tf.cast(labels, outputs.dtype), tf.shape(outputs))
+        labels = keras.ops.reshape(keras.ops.cast(labels, outputs.dtype),
+                                   keras.ops.shape(outputs))
         return fn(labels, outputs)
 
     return wrapped

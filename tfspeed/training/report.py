@@ -55,6 +55,8 @@ def summary_lines(report: dict) -> list[str]:
         lines.append(
             f"runtime: {runtime['strategy']} x{runtime['num_replicas']}, "
             f"{runtime['precision']}, xla={'on' if runtime['xla'] else 'off'}"
+            + (f", keras on {runtime['backend']}" if runtime.get("backend", "tensorflow")
+               != "tensorflow" else "")
         )
     return lines
 

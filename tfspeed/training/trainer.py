@@ -22,10 +22,12 @@ import threading
 import time
 
 import keras
+import numpy as np
 import tensorflow as tf
 from absl import logging
 
 from tfspeed.config import TrainConfig, is_auto
+from tfspeed.data import ingraph
 from tfspeed.diagnosis import profiling
 from tfspeed.errors import UsageError
 from tfspeed.runtime import Runtime
@@ -114,18 +116,23 @@ def make_engine(model: keras.Model, objectives, config: TrainConfig, runtime: Ru
     if objectives is None or not callable(getattr(objectives, "loss", None)):
         raise TypeError("make_engine needs the job's resolved objectives "
                         "(tfspeed.training.objectives.resolve), not None")
+    options = EngineOptions(grad_accum_steps=config.grad_accum_steps,
+                            steps_per_execution=(1 if is_auto(config.steps_per_execution)
+                                                 else config.steps_per_execution),
+                            xla=runtime.xla, loss_scale=runtime.plan.loss_scale)
+    shared = dict(global_batch_size=global_batch_size, preprocess=preprocess,
+                  metrics=objectives.metrics, weighted=getattr(objectives, "weighted", False),
+                  weight_scale=weight_scale)
     with runtime.strategy.scope():
         optimizer = optimizer or make_optimizer(config, total_updates, global_batch_size)
-        engine = Engine(
-            model, optimizer, runtime.strategy, objectives.loss,
-            EngineOptions(grad_accum_steps=config.grad_accum_steps,
-                          steps_per_execution=(1 if is_auto(config.steps_per_execution)
-                                               else config.steps_per_execution),
-                          xla=runtime.xla, loss_scale=runtime.plan.loss_scale),
-            global_batch_size=global_batch_size, preprocess=preprocess,
-            metrics=objectives.metrics,
-            weighted=getattr(objectives, "weighted", False), weight_scale=weight_scale,
-        )
+        if runtime.backend == "jax":  # the JAX engine, on runtime.jax_backend's devices
+            from tfspeed.training.engine_jax import JaxEngine
+
+            engine = JaxEngine(model, optimizer, objectives.loss, options,
+                               devices=runtime.strategy.devices, **shared)
+        else:
+            engine = Engine(model, optimizer, runtime.strategy, objectives.loss, options,
+                            **shared)
     engine.objectives = objectives  # what it trains on, for the reports of probes
     return engine
 
@@ -206,9 +213,8 @@ def _worker_dir(model_dir: str, worker_index: int | None):
 def _fit(engine, train_data, eval_data, config, runtime, steps_per_epoch, eval_steps,
          global_batch_size, model_dir, write_dir, total_updates, callbacks=()) -> FitResult:
     k = config.grad_accum_steps
-    optimizer = engine.optimizer
     # An in-graph source is its own "iterator": each step gathers its batch in the graph.
-    iterator = train_data if hasattr(train_data, "replica_batch") else iter(train_data)
+    iterator = train_data if ingraph.is_in_step(train_data) else iter(train_data)
     multi_worker = runtime.num_workers > 1
     # Multi-worker saves are synchronous: every worker must save at the same step.
     checkpoints = Checkpoints(engine, model_dir, config, iterator, write_dir=write_dir,
@@ -220,7 +226,7 @@ def _fit(engine, train_data, eval_data, config, runtime, steps_per_epoch, eval_s
                         "resumed at the end, so nothing is trained and it only evaluates (use a "
                         "new model_dir to train again)", model_dir, resumed, total_updates)
     elif resumed and not checkpoints.restores_position:
-        _fast_forward(iterator, int(engine.micro_steps.numpy()) % steps_per_epoch)
+        _fast_forward(iterator, int(engine.micro_steps) % steps_per_epoch)
     loop = _Loop(engine, config, global_batch_size, write_dir, total_updates * k, steps_per_epoch,
                  agree=runtime.mean_over_workers, callbacks=callbacks)
     for callback in callbacks:
@@ -234,8 +240,9 @@ def _fit(engine, train_data, eval_data, config, runtime, steps_per_epoch, eval_s
         loop.run(iterator, checkpoints, stop)
     fit_seconds = time.perf_counter() - start
     checkpoints.save(final=True)
+    engine.sync_model()  # on JAX the model's variables learn the trained values here
     if stop.signum:
-        raise Stopped(stop.signum, int(optimizer.iterations.numpy()))
+        raise Stopped(stop.signum, int(engine.updates))
     start = time.perf_counter()
     eval_metrics = engine.evaluate(eval_data, eval_steps) if eval_data is not None else {}
     loop.log_eval(eval_metrics)
@@ -247,9 +254,9 @@ def _fit(engine, train_data, eval_data, config, runtime, steps_per_epoch, eval_s
         history=loop.history,
         eval_metrics=eval_metrics,
         throughput=loop.meter.summary(),
-        optimizer_updates=int(optimizer.iterations.numpy()),
-        micro_steps=int(engine.micro_steps.numpy()),
-        skipped_updates=int(engine.skipped_updates.numpy()),
+        optimizer_updates=int(engine.updates),
+        micro_steps=int(engine.micro_steps),
+        skipped_updates=int(engine.skipped_updates),
         resumed_from_update=resumed,
         steps_per_execution=loop.tuning,
         learning_rate=peak_learning_rate(config, global_batch_size),
@@ -321,10 +328,10 @@ class _Loop:
         self._warm = False  # whether the step function has been traced (by a call)
         self._logged = self._measured_from = 0  # micro-steps at the last log / measured since
         self._waited = 0.0
-        self._tokens = None  # device-side (real, computed, sequences) since the last window
+        self._tokens = []  # per call since the last window: device-side (real, computed, seqs)
 
     def run(self, iterator, checkpoints, stop) -> None:
-        done = int(self.engine.micro_steps.numpy())  # > 0 after a resume
+        done = int(self.engine.micro_steps)  # > 0 after a resume
         self._logged = done
         spe = self.config.steps_per_execution
         if is_auto(spe) and done < self.total_micro and self.profile and (
@@ -355,7 +362,7 @@ class _Loop:
         """
         self.meter.restart()
         self._measured_from, self._waited, out = done, 0.0, None
-        self._tokens = None
+        self._tokens = []
         start = done
         while done < until and not stop.signum:
             # Calls end on multiples of spe from the start (where logs and checkpoints fall),
@@ -364,7 +371,8 @@ class _Loop:
             profiled = bool(self.profile) and self.profile.covers(done)
             if self.profile:
                 n = self.profile.limit(done, n)
-            warm_up = profiled or not self._warm
+            # A call that compiles (the first; on JAX also a new number of steps) is warm-up.
+            warm_up = profiled or not self._warm or not self.engine.is_warm(n)
             if warm_up:
                 self._close_measured(out, done)
             out = self._call(iterator, done, n, profiled)
@@ -378,6 +386,8 @@ class _Loop:
                 checkpoints.check_finite(weights=False)
                 self._log(out, done, done - self._measured_from, float(self._waited))
                 self._logged, self._measured_from, self._waited = done, done, 0.0
+                if done < self.total_micro:  # the end saves anyway
+                    checkpoints.maybe_save_in_time(done // self.k, self.agree)
             checkpoints.maybe_save(done // self.k)
             if self.callbacks and done // self.steps_per_epoch > (done - n) // self.steps_per_epoch:
                 self._epoch_end(out, done)
@@ -390,67 +400,72 @@ class _Loop:
         else:
             out = self.engine.train(iterator, n)
         self._waited = self._waited + out["input_wait_s"]  # a device-side sum: no sync
-        counts = (out["real_tokens"], out["computed_tokens"], out["sequences"])
-        self._tokens = counts if self._tokens is None else tuple(
-            a + b for a, b in zip(self._tokens, counts, strict=True))
+        # Kept, not summed: a sum per call is an op per call (on JAX an eager dispatch that
+        # cost more than a small model's step); they are summed at the next sync point.
+        self._tokens.append((out["real_tokens"], out["computed_tokens"], out["sequences"]))
         return out
 
     def _take_tokens(self) -> tuple[int, int, int]:
         """The token counts since the last window (at a sync point), and a new start."""
-        tokens, self._tokens = self._tokens or (0, 0, 0), None
-        return tuple(int(t) for t in tokens)
+        calls, self._tokens = self._tokens, []
+        return tuple(int(sum(int(np.asarray(c[i])) for c in calls)) for i in range(3))
 
     def _close_measured(self, out, done: int) -> None:
         """Before a warm-up call: the measured calls since the last log form a window."""
         if out is not None and done > self._measured_from:
-            out["loss"].numpy()  # they have finished
+            np.asarray(out["loss"])  # they have finished
             self.meter.close(done - self._measured_from, float(self._waited),
                              self._take_tokens())
             self._measured_from, self._waited = done, 0.0
 
     def _exclude(self, out, done: int) -> None:
         """Leaves the call that just ended out of the throughput figures (warm-up)."""
-        out["loss"].numpy()  # its time must not spill into the next measured call
+        np.asarray(out["loss"])  # its time must not spill into the next measured call
         self.meter.exclude(done - self._measured_from, float(self._waited),
                            self._take_tokens())
         self._measured_from, self._waited = done, 0.0
 
     def _log(self, out, done: int, steps: int, waited: float) -> None:
-        values = {name: float(v.numpy()) for name, v in out.items()}  # the one sync per log
+        values = {name: float(v) for name, v in out.items()}  # the one sync per log
         updates = int(values["updates"])
-        lr = self.engine.optimizer.learning_rate
+        lr = self.engine.learning_rate
         metrics = {name: values[name] for name in ("loss", *self.engine.metric_names)}
         figures = self.meter.tick(steps, done, waited, also={
-            **metrics, "learning_rate": float(lr.numpy() if hasattr(lr, "numpy") else lr),
+            **metrics, "learning_rate": float(lr),
             "loss_scale": values["loss_scale"]}, tokens=self._take_tokens())
         self.last_metrics = metrics
         # A window of warm-up calls only has no speed of its own (None; the progress bar
         # leaves it out).
-        speed = {"examples/s": figures.get("examples_per_sec"),
-                 "input wait %": figures.get("input_wait_pct")}
+        tokens = "real_tokens_per_sec" in figures  # text: tokens and sequences, not examples
+        speed = ({"real tokens/s": figures["real_tokens_per_sec"],
+                  "sequences/s": figures["sequences_per_sec"]} if tokens
+                 else {"examples/s": figures.get("examples_per_sec")})
+        speed["input wait %"] = figures.get("input_wait_pct")
         self.history.append({"update": updates, "micro_step": done, **metrics,
-                             "examples_per_sec": speed["examples/s"],
+                             "examples_per_sec": figures.get("examples_per_sec"),
                              **({"real_tokens_per_sec": figures["real_tokens_per_sec"]}
-                                if "real_tokens_per_sec" in figures else {})})
+                                if tokens else {})})
         self.progbar.update(updates, [*metrics.items(),
                                       *((k, v) for k, v in speed.items() if figures)])
         if not self.progbar.verbose:
             shown = " ".join(f"{name}={value:.4f}" for name, value in metrics.items())
-            rate = (f"{figures['examples_per_sec']:.0f} examples/s, "
-                    f"{figures['input_wait_pct']:.0f}% waiting for input" if figures
-                    else "warm-up (not timed)")
+            rate = (", ".join(f"{v:.0f} {k}" for k, v in speed.items() if not k.startswith(
+                "input")) + f", {figures['input_wait_pct']:.0f}% waiting for input"
+                if figures else "warm-up (not timed)")
             logging.info("update %d/%d (micro-step %d): %s %s", updates,
                          self.total_micro // self.k, done, shown, rate)
 
     def _epoch_end(self, out, done: int) -> None:
-        """Keras callbacks hear of each epoch the last execution finished (one host sync)."""
-        logs = {name: float(out[name].numpy()) for name in ("loss", *self.engine.metric_names)}
+        """Keras callbacks hear of each epoch the last execution finished (one host sync),
+        with the model's variables holding the trained values."""
+        self.engine.sync_model()
+        logs = {name: float(out[name]) for name in ("loss", *self.engine.metric_names)}
         for callback in self.callbacks:
             callback.on_epoch_end(done // self.steps_per_epoch - 1, logs)
 
     def log_eval(self, metrics: dict) -> None:
         if metrics:
-            with self.eval_writer.as_default(step=int(self.engine.micro_steps.numpy())):
+            with self.eval_writer.as_default(step=int(self.engine.micro_steps)):
                 for name, value in metrics.items():
                     tf.summary.scalar(name, value)
             self.eval_writer.flush()
@@ -466,7 +481,7 @@ class _Loop:
         """
 
         def run_call(n: int) -> None:
-            self.engine.train(iterator, n)["loss"].numpy()
+            np.asarray(self.engine.train(iterator, n)["loss"])
 
         n, used, self.tuning = autotune.tune_steps_per_execution(
             run_call, self.total_micro - done, self.steps_per_epoch, self.agree)

@@ -38,7 +38,6 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 import keras
-import tensorflow as tf
 from keras import ops
 
 TASKS = ("classification", "lm")
@@ -190,63 +189,65 @@ def _check_arguments(vocab_size, num_outputs, task, width, heads, max_length, ma
 
 
 # ------------------------------------------------------------------ losses and metrics
-def _aligned(targets: dict, logits) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
+def _aligned(targets: dict, logits):
     """Labels, float32 weights and float32 logits of matching leading shape. Classification
     logits have ``max_segments`` columns; the labels' S (<= it) decides. Labels and logits
     under weight 0 (padding, absent sequences, the empty rows that fill a last evaluation
     batch) may be anything, NaN included: they become 0, so the loss stays finite. (A Keras
     model that masks padding, ``Embedding(mask_zero=True)``, and averages over the tokens
-    of a row gives 0 / 0 for a row with none.)"""
-    weight = tf.cast(targets["weight"], tf.float32)
-    label = tf.cast(targets["label"], tf.int32)
-    logits = tf.cast(logits[:, : tf.shape(label)[1]], tf.float32)
-    real = weight > 0
-    logits = tf.where(real[..., None], logits, tf.zeros_like(logits))
-    return tf.where(real, label, tf.zeros_like(label)), weight, logits
+    of a row gives 0 / 0 for a row with none.) ``keras.ops``: the same on every backend."""
+    weight = ops.cast(targets["weight"], "float32")
+    label = ops.cast(targets["label"], "int32")
+    logits = ops.cast(logits[:, : ops.shape(label)[1]], "float32")
+    real = ops.greater(weight, 0)
+    logits = ops.where(ops.expand_dims(real, -1), logits, ops.zeros_like(logits))
+    return ops.where(real, label, ops.zeros_like(label)), weight, logits
 
 
-def weighted_sparse_ce(targets: dict, logits) -> tf.Tensor:
+def weighted_sparse_ce(targets: dict, logits):
     """Cross-entropy of each element times its weight: ``[B, T]`` for lm, ``[B, S]`` for
     classification. Not normalised: divide the sum by the GLOBAL ``weight_sum`` (see the
     module docstring)."""
     label, weight, logits = _aligned(targets, logits)
-    return tf.nn.sparse_softmax_cross_entropy_with_logits(labels=label, logits=logits) * weight
+    return ops.sparse_categorical_crossentropy(label, logits, from_logits=True) * weight
 
 
-def weight_sum(targets: dict) -> tf.Tensor:
+def weight_sum(targets: dict):
     """The normaliser: real tokens (lm) or real sequences (classification) in ``targets``."""
-    return tf.reduce_sum(tf.cast(targets["weight"], tf.float32))
+    return ops.sum(ops.cast(targets["weight"], "float32"))
 
 
-def weighted_loss_sum(targets: dict, logits) -> tuple[tf.Tensor, tf.Tensor]:
+def weighted_loss_sum(targets: dict, logits):
     """``(sum of weighted_sparse_ce, weight_sum)`` of one (micro-)batch; both add across
     micro-batches and replicas, and their ratio over a global batch is its exact mean loss."""
-    return tf.reduce_sum(weighted_sparse_ce(targets, logits)), weight_sum(targets)
+    return ops.sum(weighted_sparse_ce(targets, logits)), weight_sum(targets)
 
 
-def weighted_correct(targets: dict, logits) -> tf.Tensor:
+def weighted_correct(targets: dict, logits):
     """1.0 times the weight where the arg-max logit is the label, per element."""
     label, weight, logits = _aligned(targets, logits)
-    return tf.cast(tf.equal(tf.argmax(logits, -1, output_type=tf.int32), label),
-                   tf.float32) * weight
+    hit = ops.equal(ops.cast(ops.argmax(logits, axis=-1), "int32"), label)
+    return ops.cast(hit, "float32") * weight
 
 
-def correct_sum(targets: dict, logits) -> tuple[tf.Tensor, tf.Tensor]:
+def correct_sum(targets: dict, logits):
     """``(correct, weight_sum)``: their ratio is token accuracy for lm, sequence accuracy
     for classification; like the loss, sum both over the global batch before dividing."""
-    return tf.reduce_sum(weighted_correct(targets, logits)), weight_sum(targets)
+    return ops.sum(weighted_correct(targets, logits)), weight_sum(targets)
 
 
-def perplexity(loss_sum, total_weight) -> tf.Tensor:
+def perplexity(loss_sum, total_weight):
     """exp(mean loss per real token) from summed losses and weights (1.0 for no tokens)."""
-    return tf.exp(tf.math.divide_no_nan(tf.cast(loss_sum, tf.float32),
-                                        tf.cast(total_weight, tf.float32)))
+    total = ops.cast(total_weight, "float32")
+    mean = ops.where(ops.greater(total, 0), ops.cast(loss_sum, "float32")
+                     / ops.maximum(total, 1e-30), 0.0)
+    return ops.exp(mean)
 
 
 def accumulated_gradients(
     model: keras.Model, batches: Iterable[tuple[dict, dict]],
-    loss_sum_fn: Callable[[dict, tf.Tensor], tuple[tf.Tensor, tf.Tensor]] = weighted_loss_sum,
-) -> tuple[list[tf.Tensor], tf.Tensor]:
+    loss_sum_fn: Callable = weighted_loss_sum,
+) -> tuple[list, object]:
     """Reference for engines: the exact gradient and loss of the global weighted mean over
     all ``batches`` (micro-batches, or micro-batches of all replicas), taken one at a time.
 
@@ -259,6 +260,8 @@ def accumulated_gradients(
       ``(gradients, loss)``: summed per-batch gradients of ``loss_sum`` divided by the total
       weight, which equal the gradient of one batch holding all of them; and that mean loss.
     """
+    import tensorflow as tf  # the reference differentiates with TensorFlow's tape
+
     total_grads, total_loss, total_weight = None, 0.0, 0.0
     for inputs, targets in batches:
         with tf.GradientTape() as tape:

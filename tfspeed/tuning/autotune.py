@@ -18,6 +18,8 @@ import dataclasses
 import statistics
 import time
 
+import numpy as np
+
 OVERHEAD = 0.02  # the share of a call that its fixed overhead may take
 PROBE_SHARE = 0.05  # of a run's steps, at most, spent probing (they are real steps)
 PROBE_N = 8
@@ -118,9 +120,9 @@ def time_steps(engines: dict, batches, call_s: float = 0.05, rounds: int = 5,
     sizing = []
     for name, engine in engines.items():
         say("precision probe: first call in %s (traces the step)", name)
-        engine.train(batches, 1)["loss"].numpy()
+        np.asarray(engine.train(batches, 1)["loss"])
         start = time.perf_counter()
-        engine.train(batches, 2)["loss"].numpy()
+        np.asarray(engine.train(batches, 2)["loss"])
         sizing.append((time.perf_counter() - start) / 2)
     step_s = float(agree(min(sizing)))
     steps = int(min(max(call_s / max(step_s, 1e-6), 1), max_steps))
@@ -129,7 +131,7 @@ def time_steps(engines: dict, batches, call_s: float = 0.05, rounds: int = 5,
     for r in range(rounds):
         for name, engine in engines.items():
             start = time.perf_counter()
-            engine.train(batches, steps)["loss"].numpy()
+            np.asarray(engine.train(batches, steps)["loss"])
             best[name] = min(best[name], (time.perf_counter() - start) / steps)
         say("precision probe: round %d/%d of %d steps each: %s", r + 1, rounds, steps,
             ", ".join(f"{name} {1000 * t:.2f} ms/step" for name, t in best.items()))

@@ -16,6 +16,8 @@ import os
 import statistics
 import time
 
+import numpy as np
+
 from tfspeed.errors import UsageError
 from tfspeed.tuning.measurements import (
     COLD,
@@ -353,7 +355,7 @@ class _Probe:
 
     def call(self) -> None:
         cpu, start = time.process_time(), time.perf_counter()
-        self.engine.train(self.source, self.n)["loss"].numpy()
+        np.asarray(self.engine.train(self.source, self.n)["loss"])
         self.walls.append(time.perf_counter() - start)
         self.cpus.append(time.process_time() - cpu)
 
@@ -372,9 +374,9 @@ def _probe(job, source, precision: str, xla: str) -> _Probe:
 
     engine, _ = job_lib.engine_at(job.config, job.runtime, job.schema, job.input_shape,
                                   job.preprocess, precision, xla=xla == "on")
-    engine.train(source, 1)["loss"].numpy()  # traces
+    np.asarray(engine.train(source, 1)["loss"])  # traces
     start = time.perf_counter()
-    engine.train(source, 1)["loss"].numpy()
+    np.asarray(engine.train(source, 1)["loss"])
     one = time.perf_counter() - start
     empty = []
     for _ in range(5):

@@ -53,6 +53,7 @@ def flags_usage(doc: str, groups: dict[str, Sequence[flags.FlagHolder]]) -> str:
 
 def main_entry(main: Callable[[], int | None]) -> None:
     """Runs a CLI ``main``: TF imported quietly, UsageError -> one line and exit status 2."""
+    _check_keras_backend()
     import_tensorflow_quietly()
     _quiet_tensorflow_info()
     import tensorflow as tf
@@ -66,6 +67,19 @@ def main_entry(main: Callable[[], int | None]) -> None:
         print(f"error: {message}", file=sys.stderr)
         status = 2
     sys.exit(status)
+
+
+def _check_keras_backend() -> None:
+    """A ``KERAS_BACKEND`` tfspeed has no engine for is one line before Keras imports it (a
+    backend whose package is missing would fail inside that import with a traceback)."""
+    import os
+
+    from tfspeed.runtime import BACKENDS, unsupported_backend
+
+    name = os.environ.get("KERAS_BACKEND", "")
+    if name and name not in BACKENDS:
+        print(f"error: {unsupported_backend(name)}", file=sys.stderr)
+        sys.exit(2)
 
 
 def _quiet_tensorflow_info() -> None:

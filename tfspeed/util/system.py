@@ -8,6 +8,15 @@ import resource
 import sys
 
 
+def cpus_available() -> int:
+    """The CPUs this process may run on (its affinity mask: a container's or taskset's share,
+    not the machine's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS, Windows
+        return os.cpu_count() or 1
+
+
 def peak_rss_mb() -> float:
     """This process's peak resident memory so far, in MiB (Linux reports KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -6,7 +6,8 @@ records. Listing happens once, in the parent; reading and encoding happen in the
 so they run in parallel, one chunk per shard.
 
 Kinds: ``imagefolder:PATH``, ``csv:PATH``, ``npz:PATH``, ``tfds:NAME``, ``digits``; text:
-``textfolder:PATH``, ``jsonl:PATH``, ``csv:PATH`` with ``--text_column``, ``pystdlib``.
+``textfolder:PATH``, ``jsonl:PATH``, ``csv:PATH`` with ``--text_column``, ``pystdlib``,
+``pydocstrings``.
 
   base.py      Source, Chunk, Skip, SourceOptions; split and identity helpers
   encoding.py  how images are stored: ImageStorage (jpeg, png, raw; resized), or a Skip
@@ -15,9 +16,12 @@ Kinds: ``imagefolder:PATH``, ``csv:PATH``, ``npz:PATH``, ``tfds:NAME``, ``digits
   images.py    imagefolder, digits
   tables.py    csv, npz
   tfds.py      tfds
-  text.py      textfolder, jsonl, csv with a text column, pystdlib: tokenised in the chunks
+  text.py      textfolder, pystdlib, pydocstrings, and what every text source shares: tokenised
+               in the chunks
+  text_tables.py  jsonl, csv with a text column
   lengths.py   token ids and skipped texts as chunks yield them; token counts per shard, split
   pystdlib.py  the pystdlib corpus: Python's standard library, one text per function/class
+  pydocstrings.py  the pydocstrings corpus: its docstrings, one short text each
 """
 
 from __future__ import annotations
@@ -43,7 +47,8 @@ from tfspeed.convert.sources.images import (
     open_imagefolder,
 )
 from tfspeed.convert.sources.tables import open_csv, open_npz
-from tfspeed.convert.sources.text import open_csv_text, open_jsonl, open_pystdlib, open_textfolder
+from tfspeed.convert.sources.text import open_pydocstrings, open_pystdlib, open_textfolder
+from tfspeed.convert.sources.text_tables import open_csv_text, open_jsonl
 from tfspeed.convert.sources.tfds import TfdsChunk, open_tfds
 from tfspeed.errors import UsageError
 
@@ -67,7 +72,7 @@ __all__ = [
 ]
 
 KINDS = ("imagefolder:PATH", "csv:PATH", "npz:PATH", "tfds:NAME", "digits", "textfolder:PATH",
-         "jsonl:PATH", "pystdlib[:PACKAGES]")
+         "jsonl:PATH", "pystdlib[:PACKAGES]", "pydocstrings[:PACKAGES]")
 _OPENERS = {
     "imagefolder": open_imagefolder,
     "csv": open_csv,
@@ -77,6 +82,7 @@ _OPENERS = {
     "textfolder": open_textfolder,
     "jsonl": open_jsonl,
     "pystdlib": open_pystdlib,
+    "pydocstrings": open_pydocstrings,
 }
 
 

@@ -11,6 +11,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from tfspeed.config import LONG_DEFAULT, MAX_LENGTH_CAP
 from tfspeed.data.schema import Feature
 
 LABEL = Feature("label", "int64", (), "int")  # every classification source's label feature
@@ -36,7 +37,7 @@ class SourceOptions:
     tfds_data_dir: str | None = None
     task: str = "classification"
     named_columns: bool = False
-    text: TextOptions | None = None  # text sources (textfolder, jsonl, csv text, pystdlib)
+    text: TextOptions | None = None  # text sources (textfolder, jsonl, csv text, pystdlib, ...)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,11 +47,13 @@ class TextOptions:
     Attributes:
       tokenizer: ``bpe:N`` (train a byte-level BPE of N ids on the train split) or the path
         of a ``tokenizer.json`` (HF tokenizers) or SentencePiece ``.model``.
-      max_length: the most tokens a record holds (bos/eos included); 0 = no limit.
+      max_length: the most tokens a record holds (bos/eos included); 0 = no limit. The
+        default is the driver's cap (``config.MAX_LENGTH_CAP``).
       long: what happens to a longer text: ``truncate``, ``split`` (several records) or
-        ``skip``.
+        ``skip``; the default is the driver's (``config.LONG_DEFAULT``).
       text_field: the JSON field holding the text (``jsonl:``).
-      label_field: the JSON field holding the label (``jsonl:``); empty = no labels.
+      label_field: the JSON field holding the label (``jsonl:``); empty = ``label`` where
+        every line has one, else no labels.
       text_column: the CSV column holding the text (``csv:``); empty = a numeric CSV.
       max_items: use only this many items, a seeded sample in source order; 0 = all.
       data_dir: the output directory, where the workers find the tokeniser (not an option
@@ -58,8 +61,8 @@ class TextOptions:
     """
 
     tokenizer: str = "bpe:8000"
-    max_length: int = 0
-    long: str = "truncate"
+    max_length: int = MAX_LENGTH_CAP
+    long: str = LONG_DEFAULT
     text_field: str = "text"
     label_field: str = ""
     text_column: str = ""

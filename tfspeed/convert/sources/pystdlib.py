@@ -53,21 +53,49 @@ def corpus(classes: tuple[str, ...] = CLASSES) -> tuple[list[tuple[str, str, str
     Returns:
       ``[(name, text, class)]`` (name: ``path:definition``) and the content identity.
     """
+    files, identity = package_files(classes)
+    texts = [(f"{rel}:{name}", text, label)
+             for label, path, rel in files for name, text in _definitions(path)]
+    return texts, identity
+
+
+def package_files(classes: tuple[str, ...], kind: str = "pystdlib"
+                  ) -> tuple[list[tuple[str, str, str]], str]:
+    """The ``.py`` files of the standard library packages ``classes``: class by class, each
+    in sorted path order (test folders left out).
+
+    Args:
+      classes: package (or module) names under the standard library directory.
+      kind: the source kind asking (``pystdlib``, ``pydocstrings``), for the error message.
+
+    Returns:
+      ``[(class, path, path relative to the library)]`` and their content identity (this
+      Python's version, each file's size and mtime).
+    """
     root = stdlib_dir()
     unknown = [c for c in classes if not _paths(root, c)]
     if unknown:
         raise UsageError(
-            f"--source=pystdlib:{','.join(classes)}: {unknown[0]!r} is not a package "
+            f"--source={kind}:{','.join(classes)}: {unknown[0]!r} is not a package "
             f"or module in {root}; use some of {','.join(CLASSES)}"
         )
-    texts, stats = [], []
+    files, stats = [], []
     for label in classes:
         for path in _paths(root, label):
             rel = os.path.relpath(path, root)
             st = os.stat(path)
             stats.append([rel, st.st_size, st.st_mtime_ns])
-            texts += [(f"{rel}:{name}", text, label) for name, text in _definitions(path)]
-    return texts, content_hash([sys.version, stats])
+            files.append((label, path, rel))
+    return files, content_hash([sys.version, stats])
+
+
+def parse(path: str) -> tuple[str, ast.Module]:
+    """The source of the library file at ``path`` and its syntax tree."""
+    with open(path, encoding="utf-8") as f:
+        source = f.read()
+    with warnings.catch_warnings():  # old escape sequences in the library's own strings
+        warnings.simplefilter("ignore", SyntaxWarning)
+        return source, ast.parse(source, path)
 
 
 def _paths(root: str, name: str) -> list[str]:
@@ -87,11 +115,7 @@ def _paths(root: str, name: str) -> list[str]:
 
 def _definitions(path: str) -> list[tuple[str, str]]:
     """``[(name, source)]`` of the top-level functions and classes of the file at ``path``."""
-    with open(path, encoding="utf-8") as f:
-        source = f.read()
-    with warnings.catch_warnings():  # old escape sequences in the library's own strings
-        warnings.simplefilter("ignore", SyntaxWarning)
-        tree = ast.parse(source, path)
+    source, tree = parse(path)
     kinds = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
     lines = io.StringIO(source, newline="").readlines()  # \r\n, \r, \n: as ast counts lines
     return [(node.name, segment(lines, node)) for node in tree.body if isinstance(node, kinds)]

@@ -1,25 +1,27 @@
-"""Text sources: ``textfolder:PATH``, ``jsonl:PATH``, ``csv:PATH`` with ``--text_column``, and
-``pystdlib[:CLASSES]`` (Python's own standard library source, `pystdlib`).
+"""Text sources: ``textfolder:PATH``, ``pystdlib[:CLASSES]`` (Python's own standard library
+source, `pystdlib`) and ``pydocstrings[:CLASSES]`` (its docstrings, `pydocstrings`) here,
+``jsonl:PATH`` and ``csv:PATH`` with ``--text_column`` in `text_tables`; and what they share:
+`text_source`, the chunks, the options' checks.
 
 Each item is tokenised in the chunks, so in the writer workers, with a tokeniser trained or
 loaded here, in the parent (`tfspeed.convert.tokenizer`). A record holds ``tokens`` (int64
 ids, variable length) and, for classification, ``label``; for ``--task=lm`` only ``tokens``,
 between the tokeniser's bos and eos. Texts over ``--max_length`` tokens are truncated, split
-into several records or skipped (``--long``). Items that are no text (not UTF-8, NUL bytes,
-empty) are skipped and counted, like undecodable images.
+into several records or skipped (``--long``, as `tfspeed.data.long_texts` says). Items that
+are no text (not UTF-8, NUL bytes, empty) are skipped and counted, like undecodable images.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 
 import numpy as np
+from absl import logging
 
 from tfspeed.convert import tokenizer as tokenizer_lib
-from tfspeed.convert.sources import images, pystdlib, tables
+from tfspeed.convert.sources import images, pydocstrings, pystdlib
 from tfspeed.convert.sources.base import (
     LABEL,
     Chunk,
@@ -28,17 +30,45 @@ from tfspeed.convert.sources.base import (
     SourceOptions,
     TextOptions,
     content_hash,
-    file_identity,
     ordered_splits,
     train_validation,
 )
 from tfspeed.convert.sources.lengths import SKIPPED_LONG, TextSkip, TokenIds
-from tfspeed.data.schema import Feature, standardize_stats
+from tfspeed.data import long_texts
+from tfspeed.data.schema import Feature
 from tfspeed.errors import UsageError
 
 TOKENS = Feature("tokens", "int64", (None,), "tokens")
-LONG = ("truncate", "split", "skip")
-KINDS = ("textfolder", "jsonl", "pystdlib")
+KINDS = ("textfolder", "jsonl", "pystdlib", "pydocstrings")
+
+
+@dataclasses.dataclass(frozen=True)
+class Labels:
+    """A text source's classes and where they come from, as the summary's task line says.
+
+    Attributes:
+      names: label ``i`` is ``names[i]``; empty where the source has none.
+      found: where the classes come from (``by folder``, ``on field 'label'``); "" if
+        the source has none to offer.
+      missing: why it has none (``no label field``), where ``found`` is "".
+      to_classify: what to pass to classify instead (``--label_field=NAME to classify``).
+    """
+
+    names: tuple[str, ...]
+    found: str
+    missing: str = ""
+    to_classify: str = ""
+
+    def task_note(self, task: str, requested: str) -> str:
+        """The task chosen, from what, and how to choose the other (``requested``: --task)."""
+        if task == "classification":
+            return (f"classification {self.found} ({len(self.names)} classes); --task=lm for "
+                    "a language model")
+        if requested != "lm":
+            return f"lm ({self.missing}); {self.to_classify}"
+        if self.found:
+            return f"lm (--task=lm); drop --task=lm to classify {self.found}"
+        return f"lm (--task=lm); {self.to_classify} without --task=lm"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,28 +83,26 @@ class Encoding:
     eos: int | None
 
     def records(self, name: str, text: str, extra: dict) -> Iterator[dict | Skip]:
-        """The records of one text (one, or several with ``--long=split``), or a skip."""
+        """The records of one text (one, or several with ``--long=split``), or a skip; each
+        holds ``extra`` (the label) beside the tokens."""
         ids = self.tokenizer.load().encode(text)
         if self.task == "lm":
             ids = np.concatenate([[self.bos], ids, [self.eos]]).astype(np.int64)
         m = self.max_length
         if not m or len(ids) <= m:
             yield {"tokens": TokenIds(ids), **extra}
-        elif self.long == "skip":
+            return
+        # A language-model record's pieces overlap by one token: every next-token pair stays
+        # inside a piece.
+        made = long_texts.pieces([len(ids)], m, self.long, overlap=int(self.task == "lm"))
+        if not made.length.size:
             yield TextSkip(
                 name, f"{len(ids)} tokens, over --max_length={m} (--long=skip)", SKIPPED_LONG
             )
-        elif self.long == "truncate":
-            yield {"tokens": TokenIds(ids[:m], truncated=True), **extra}
-        else:
-            # For lm the pieces overlap by one token: every next-token pair stays in a piece.
-            stride = m - 1 if self.task == "lm" else m
-            starts = range(0, len(ids) - (self.task == "lm"), stride)
-            for part, start in enumerate(starts):
-                yield {
-                    "tokens": TokenIds(ids[start : start + m], part=part, parts=len(starts)),
-                    **extra,
-                }
+        truncated, parts = self.long == "truncate", made.length.size
+        for part, (start, n) in enumerate(zip(made.offset, made.length, strict=True)):
+            tokens = TokenIds(ids[start : start + n], truncated, part, parts)
+            yield {"tokens": tokens, **extra}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,24 +110,20 @@ class TextChunk:
     """Texts (or text files under ``root``) with their labels, tokenised by ``encoding``.
 
     ``items`` are ``(name, text, label)``; ``text`` None means the file ``root/name``.
-    ``extra`` holds other features, one row per item (a CSV's numeric columns).
     """
 
     items: tuple[tuple[str, str | None, int], ...]
     encoding: Encoding
     root: str = ""
-    extra: dict = dataclasses.field(default_factory=dict)
 
     def records(self) -> Iterator[dict | Skip]:
-        for i, (name, text, label) in enumerate(self.items):
+        for name, text, label in self.items:
             text = read_text(os.path.join(self.root, name), name) if text is None else text
             text = checked(name, text)
             if isinstance(text, Skip):
                 yield text
                 continue
-            extra = {k: v[i] for k, v in self.extra.items()}
-            if self.encoding.task != "lm":
-                extra["label"] = label
+            extra = {} if self.encoding.task == "lm" else {"label": label}
             yield from self.encoding.records(name, text, extra)
 
 
@@ -146,7 +170,7 @@ def open_textfolder(root: str, opts: SourceOptions) -> Source:
         )
     ids = {name: i for i, name in enumerate(class_names)}
     files = {
-        s: sorted((rel, None, ids[c], st.st_size, 0) for c, fs in classes.items() for rel, st in fs)
+        s: sorted((rel, None, ids[c], st.st_size) for c, fs in classes.items() for rel, st in fs)
         for s, classes in listing.items()
     }
     if not any(files.values()):
@@ -154,104 +178,39 @@ def open_textfolder(root: str, opts: SourceOptions) -> Source:
     stats = sorted(
         [rel, size, os.stat(os.path.join(root, rel)).st_mtime_ns]
         for fs in files.values()
-        for rel, _, _, size, _ in fs
+        for rel, _, _, size in fs
     )
     if "" in files:
-        items = _split(files[""], opts)
+        items = split_items(files[""], opts)
     else:
         items = {
             s: [fs[i] for i in images._shuffled(len(fs), opts.seed, s)] for s, fs in files.items()
         }
-    return text_source(items, class_names, content_hash(stats), {}, opts, root=root)
-
-
-def open_jsonl(path: str, opts: SourceOptions) -> Source:
-    """One JSON object per line: the text in ``--text_field``, the label in ``--label_field``."""
-    t = _text(opts)
-    texts, labels = [], []
-    for line_no, obj in _json_lines(path):
-        text = obj.get(t.text_field) if isinstance(obj, dict) else None
-        if not isinstance(text, str):
-            raise UsageError(
-                f"{path} line {line_no} has no string field {t.text_field!r}; "
-                "every line needs one (or pass --text_field=NAME)"
-            )
-        texts.append(text)
-        if t.label_field:
-            if obj.get(t.label_field) in (None, ""):
-                raise UsageError(
-                    f"{path} line {line_no} has no label {t.label_field!r}; every "
-                    "line needs one, or drop --label_field (for --task=lm)"
-                )
-            labels.append(str(obj[t.label_field]))
-    y, class_names = tables._encode_labels(labels) if labels else (None, ())
-    base = os.path.basename(path)
-    items = [
-        (f"{base}:{i}", text, int(y[i - 1]) if y is not None else -1)
-        for i, text in enumerate(texts, start=1)
-    ]
-    options = {"text_field": t.text_field, "label_field": t.label_field}
-    return text_source(_split(items, opts), class_names, file_identity(path), options, opts)
-
-
-def open_csv_text(path: str, opts: SourceOptions) -> Source:
-    """A CSV with a text column: the text is tokenised; the label column holds the classes
-    (none: ``--task=lm``); any other columns are numbers, stored as the vector ``features``."""
-    t, rows = _text(opts), tables._read_csv(path)
-    if len(rows) < 2:
-        raise UsageError(f"CSV {path} is empty; it needs a header row and at least one data row")
-    header = [c.strip() for c in rows[0][1]]
-    if t.text_column not in header:
-        raise UsageError(
-            f"CSV {path} has no text column {t.text_column!r} (columns: "
-            f"{', '.join(header)}); pass --text_column=NAME"
-        )
-    labelled = opts.label_column in header and opts.task != "lm"
-    others = [c for c in header if c not in (t.text_column, opts.label_column)]
-    items, numbers = [], []
-    for row, (line, cells) in enumerate(rows[1:], start=1):
-        if len(cells) != len(header):
-            raise UsageError(
-                f"CSV {path} line {line} has {len(cells)} cells, the header has "
-                f"{len(header)}; fix that row (quote texts that hold commas)"
-            )
-        cell = dict(zip(header, cells, strict=True))
-        label = cell[opts.label_column].strip() if labelled else ""
-        if labelled and not label:
-            raise UsageError(
-                f"CSV {path} line {line} has an empty {opts.label_column!r}; "
-                "every row needs a label (or pass --task=lm)"
-            )
-        items.append((f"line {line}", cell[t.text_column], label))
-        numbers.append(
-            [
-                tables._number(
-                    cell[c],
-                    c,
-                    f"row {row} (line {line})",
-                    path,
-                    "every column but the text and label columns",
-                )
-                for c in others
-            ]
-        )
-    y, class_names = tables._encode_labels([lab for _, _, lab in items]) if labelled else ([], ())
-    items = [(name, text, int(y[i]) if labelled else -1) for i, (name, text, _) in enumerate(items)]
-    extra = {"features": np.asarray(numbers, np.float32)} if others else {}
-    options = {"text_column": t.text_column, "label_column": opts.label_column, "columns": others}
-    return text_source(
-        _split(items, opts), class_names, file_identity(path), options, opts, extra=extra
-    )
+    labels = Labels(class_names, "by folder")
+    return text_source(items, labels, content_hash(stats), {}, opts, root=root)
 
 
 def open_pystdlib(arg: str, opts: SourceOptions) -> Source:
     """Python's standard library: one text per top-level function or class, its package the
     class; ``pystdlib:asyncio,json`` takes only those packages (see `pystdlib.CLASSES`)."""
+    return _package_corpus(arg, opts, pystdlib.corpus)
+
+
+def open_pydocstrings(arg: str, opts: SourceOptions) -> Source:
+    """The standard library's docstrings: one text per documented function, class or method,
+    its package the class; ``pydocstrings:asyncio,json`` takes only those packages."""
+    return _package_corpus(arg, opts, pydocstrings.corpus)
+
+
+def _package_corpus(arg: str, opts: SourceOptions, corpus) -> Source:
+    """A corpus of the standard library packages ``arg`` names (all of `pystdlib.CLASSES` if
+    none), labelled by package; ``corpus(classes)`` gives its texts and identity."""
     classes = tuple(c for c in arg.split(",") if c) or pystdlib.CLASSES
-    texts, identity = pystdlib.corpus(classes)
+    texts, identity = corpus(classes)
     ids = {name: i for i, name in enumerate(classes)}
     items = [(name, text, ids[label]) for name, text, label in texts]
-    return text_source(_split(items, opts), classes, identity, {"classes": list(classes)}, opts)
+    labels = Labels(classes, "by package")
+    return text_source(split_items(items, opts), labels, identity, {"classes": list(classes)}, opts)
 
 
 # ---------------------------------------------------------------- shared
@@ -259,32 +218,37 @@ def open_pystdlib(arg: str, opts: SourceOptions) -> Source:
 
 def text_source(
     items: dict[str, list],
-    class_names: Sequence[str],
+    labels: Labels,
     identity: str,
     options: dict,
     opts: SourceOptions,
     *,
     root: str = "",
-    extra: dict | None = None,
 ) -> Source:
     """The `Source` over text ``items``, its tokeniser made (trained on the train split).
 
     Args:
-      items: split -> ``[(name, text or None, label, size, row)]``, each split in record
-        order; ``text`` None reads the file ``root/name`` (in the workers); ``size`` is the
-        text's size, ``row`` the item's row in ``extra``.
-      class_names: label ``i`` is ``class_names[i]``; empty for a source without labels.
+      items: split -> ``[(name, text or None, label, size)]``, each split in record order;
+        ``text`` None reads the file ``root/name`` (in the workers); ``size`` is the text's
+        size.
+      labels: the classes (none: a language model) and where they come from.
       identity: the content identity of what the items were read from.
       options: the kind's own record-shaping options.
       opts: the converter options (``opts.text`` the text ones).
       root: the folder of file items.
-      extra: more features, name -> array with one row per item (by the item's row index).
 
     Returns:
-      The `Source`: ``tokens`` (and ``label``, ``features``) per record.
+      The `Source`: ``tokens`` (and ``label``) per record. Its ``text``
+      section's ``task_note`` says which task was chosen, from what, and how to choose
+      the other (the converter's summary line shows it).
     """
-    t = _text(opts)
-    task = "lm" if opts.task == "lm" or not class_names else "classification"
+    t = text_options(opts)
+    task = "lm" if opts.task == "lm" or not labels.names else "classification"
+    if t.max_length == 1:  # checked here, where the task is known (a jsonl: may be either)
+        why = ("a language-model record needs bos and a token" if task == "lm" else
+               "a record of 1 token holds too little of a text to classify; e.g. "
+               "--max_length=512")
+        raise UsageError(f"--max_length=1: must be >= 2 (or 0 = no limit): {why}")
     items = {s: items[s] for s in ordered_splits(items) if items[s]}
     if "train" not in items:
         raise UsageError(
@@ -302,6 +266,8 @@ def text_source(
             f"--tokenizer={t.tokenizer} has no bos/eos token (looked for "
             "<bos>/<s>, <eos>/</s>), which --task=lm adds to each text; use bpe:N"
         )
+    if warning := tokenizer_lib.missing_specials(tok):
+        logging.warning("%s", warning)
     encoding = Encoding(
         tok.ref(t.data_dir),
         task,
@@ -310,21 +276,16 @@ def text_source(
         tok.special_ids["bos"],
         tok.special_ids["eos"],
     )
-    arrays = {k: np.asarray(v) for k, v in (extra or {}).items()}
-    rows = {s: np.asarray([it[4] for it in v], np.int64) for s, v in items.items()}
-
     def make_chunk(split: str, start: int, stop: int, storage=None) -> Chunk:
         chosen = tuple(tuple(it[:3]) for it in items[split][start:stop])
-        sliced = {k: a[rows[split][start:stop]] for k, a in arrays.items()}
-        return TextChunk(chosen, encoding, root, sliced)
+        return TextChunk(chosen, encoding, root)
 
-    features = [TOKENS, *(Feature(k, "float32", a.shape[1:], "float") for k, a in arrays.items())]
-    features += [LABEL] if task != "lm" else []
+    features = [TOKENS] if task == "lm" else [TOKENS, LABEL]
     section = {"task": task, "tokenizer": tok.to_json(), "max_length": t.max_length, "long": t.long}
     return Source(
         features=tuple(features),
-        inputs="tokens" if not arrays else ("tokens", *arrays),
-        class_names=tuple(class_names) if task != "lm" else (),
+        inputs="tokens",
+        class_names=tuple(labels.names) if task != "lm" else (),
         splits={s: len(v) for s, v in items.items()},
         split_bytes={s: sum(_size(it) for it in v) for s, v in items.items()},
         identity=identity,
@@ -338,15 +299,14 @@ def text_source(
             "seed": opts.seed,
         },
         make_chunk=make_chunk,
-        stats={k: standardize_stats(a[rows["train"]]) for k, a in arrays.items()},
-        text=section,
+        text={**section, "task_note": labels.task_note(task, opts.task)},
         files={tok.file: tok.data},
     )
 
 
 def check_options(kind: str, spec: str, opts: SourceOptions) -> None:
     """Raises a one-line UsageError for text options that are wrong or that ``kind`` ignores."""
-    t = _text(opts)
+    t = text_options(opts)
     is_text = kind in KINDS or (kind == "csv" and t.text_column)
     if not is_text:
         given = [
@@ -357,14 +317,13 @@ def check_options(kind: str, spec: str, opts: SourceOptions) -> None:
         if given or opts.task == "lm":
             raise UsageError(
                 f"{(given or ['--task=lm'])[0]} is for text sources (textfolder:, "
-                f"jsonl:, pystdlib, csv: with --text_column), not --source={spec}"
+                f"jsonl:, pystdlib, pydocstrings, csv: with --text_column), not --source={spec}"
             )
         return
     problems = [
-        (t.max_length and t.max_length < 2, f"--max_length={t.max_length}: must be >= 2 (or 0 "
-         "= no limit): a language-model record needs bos and a token"),
         (t.max_length < 0, f"--max_length={t.max_length}: must be >= 2, or 0 = no limit"),
-        (t.long not in LONG, f"--long={t.long}: use one of {', '.join(LONG)}"),
+        (t.long not in long_texts.POLICIES, f"--long={t.long}: use one of "
+         f"{', '.join(long_texts.POLICIES)}"),
         (t.max_items < 0, f"--max_items={t.max_items}: must be >= 0 (0 = all)"),
         (not t.text_field, "--text_field is empty: name the JSON field holding the text"),
         (opts.task == "regression", f"--task=regression: text sources hold classes or "
@@ -375,15 +334,15 @@ def check_options(kind: str, spec: str, opts: SourceOptions) -> None:
             raise UsageError(message)
 
 
-def _text(opts: SourceOptions) -> TextOptions:
+def text_options(opts: SourceOptions) -> TextOptions:
     return opts.text or TextOptions()
 
 
-def _split(items: list, opts: SourceOptions) -> dict[str, list]:
+def split_items(items: list, opts: SourceOptions) -> dict[str, list]:
     """Splits split-less items by a seeded permutation (after ``--max_items`` sampling)."""
-    # (name, text, label) gets its size and row; file items come with them.
-    items = [it if len(it) == 5 else (*it, len(it[1]), i) for i, it in enumerate(items)]
-    n = _text(opts).max_items
+    # (name, text, label) gets its size; file items come with it.
+    items = [it if len(it) == 4 else (*it, len(it[1])) for it in items]
+    n = text_options(opts).max_items
     if n and n < len(items):  # a seeded sample, kept in source order
         keep = np.sort(np.random.default_rng(opts.seed).permutation(len(items))[:n])
         items = [items[i] for i in keep]
@@ -402,21 +361,3 @@ def _train_text(root: str, item: tuple) -> str | None:
 def _size(item: tuple) -> int:
     # A token takes ~3.5 bytes of text and 2 of a record.
     return item[3] * 2 // 3 + 32
-
-
-def _json_lines(path: str) -> Iterator[tuple[int, object]]:
-    """``(line number, object)`` of each non-blank line; a UsageError names a bad one."""
-    try:
-        with open(path, encoding="utf-8-sig") as f:
-            lines = list(f)
-    except (OSError, UnicodeDecodeError) as e:
-        raise UsageError(f"cannot read {path}: {e}; pass a UTF-8 file of JSON lines") from None
-    for line_no, line in enumerate(lines, start=1):
-        if line.strip():
-            try:
-                yield line_no, json.loads(line)
-            except json.JSONDecodeError as e:
-                raise UsageError(
-                    f"{path} line {line_no} is not JSON ({e.msg}, column {e.colno}); "
-                    "each line must be one JSON object"
-                ) from None

@@ -1,0 +1,154 @@
+"""The same tfspeed jobs on Keras' TensorFlow and JAX backends, on this machine.
+
+    python benchmarks/backends.py [--rounds=3] [--workdir=/tmp/tfspeed-bench-backends]
+        [--jobs=digits_mlp,digits_cnn,text_short,text_code]
+
+Each job is ``python -m tfspeed.train`` with the same flags, once with
+``KERAS_BACKEND=tensorflow`` and once with ``KERAS_BACKEND=jax``, each in a process of its
+own, in ``--rounds`` interleaved rounds (the order alternates). Real data only:
+
+  digits_mlp  scikit-learn's handwritten digits (the Quick start's data), an MLP of width 256,
+              in-step input, 20 epochs, everything else auto.
+  digits_cnn  pipelines/digits.flags itself (the small CNN), 4 epochs.
+  text_short  the built-in ``pydocstrings`` corpus (short docstrings, median ~19 tokens),
+              the transformer (64 wide, 2 blocks), batching auto, 2 epochs.
+  text_code   the built-in ``pystdlib`` corpus (code, up to 512 tokens a piece), the
+              transformer, batching auto, 1 epoch.
+
+Per job and backend: the report's median throughput (examples/s, real tokens/s for text)
+over its measured steps, the evaluation metric, the wall seconds of the whole process and
+what auto chose. The record keeps every round and the medians with min-max; the ratio is
+JAX over TensorFlow. The accelerator's figures belong to ``benchmarks/accelerator.py``; this
+runs on a GPU host unchanged.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+
+from absl import app, flags
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+from tfspeed import bench  # noqa: E402
+
+_WORKDIR = flags.DEFINE_string("workdir", "/tmp/tfspeed-bench-backends", "Data and runs.")
+_ROUNDS = flags.DEFINE_integer("rounds", 3, "Interleaved rounds over every job and backend.")
+_JOBS = flags.DEFINE_list("jobs", ["digits_mlp", "digits_cnn", "text_short", "text_code"],
+                          "Jobs to run.")
+_TAG = flags.DEFINE_string("tag", "", "Suffix of the record's file name.")
+_RESULTS = flags.DEFINE_string("results_dir", os.path.join(REPO, "benchmarks", "results"),
+                               "Where the record is written ('' = print only).")
+
+BACKENDS = ("tensorflow", "jax")
+TEXT = ["--model=transformer", "--width=64", "--depth=2", "--heads=4", "--batch_size=32",
+        "--learning_rate=0.002"]
+
+
+def jobs(root: str) -> dict[str, tuple[str, list[str]]]:
+    """Job name -> (--prepare_source, flags): each converts its data once into the workdir."""
+    return {
+        "digits_mlp": ("digits", ["--model=mlp", "--width=256", "--batch_size=32",
+                                  "--epochs=20"]),
+        "digits_cnn": ("digits", ["--flagfile=pipelines/digits.flags", "--epochs=4"]),
+        "text_short": ("pydocstrings", [*TEXT, "--epochs=2"]),
+        "text_code": ("pystdlib", [*TEXT, "--max_length=512", "--epochs=1"]),
+    }
+
+
+def run(job: str, backend: str, round_: int) -> dict:
+    """One job on one backend in a fresh process; the report's figures."""
+    source, extra = jobs(_WORKDIR.value)[job]
+    data_dir = os.path.join(_WORKDIR.value, "data", source)
+    model_dir = os.path.join(_WORKDIR.value, "runs", f"{job}-{backend}-{round_}")
+    shutil.rmtree(model_dir, ignore_errors=True)
+    env = {**os.environ, "KERAS_BACKEND": backend, "TF_CPP_MIN_LOG_LEVEL": "3"}
+    command = [sys.executable, "-m", "tfspeed.train", *extra, f"--prepare_source={source}",
+               f"--data_dir={data_dir}", f"--model_dir={model_dir}"]
+    start = time.perf_counter()
+    proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    path = os.path.join(model_dir, "report.json")
+    if proc.returncode or not os.path.exists(path):
+        return {"failed": " ".join(command[1:]), "error": proc.stderr.strip()[-1500:],
+                "wall_seconds": wall}
+    with open(path) as f:
+        report = json.load(f)
+    text = "real_tokens_per_sec" in report
+    return {
+        "throughput": report["real_tokens_per_sec"] if text else report["examples_per_sec"],
+        "unit": "real tokens/s" if text else "examples/s",
+        "step_time_ms": report["step_time_ms"], "too_few_steps": report["too_few_steps"],
+        "eval_accuracy": report.get("eval_accuracy"), "eval_loss": report.get("eval_loss"),
+        "wall_seconds": wall, "updates": report["optimizer_updates"],
+        "precision": report["runtime"]["precision"], "xla": report["runtime"]["xla"],
+        "placement": report["input"]["placement"]["where"],
+        "batching": (report["input"].get("batching") or {}).get("mode"),
+        "steps_per_execution": report["steps_per_execution"].get("value"),
+        "compiled_functions": report.get("compiled_functions"),
+    }
+
+
+def summary(values: list) -> dict | None:
+    values = [v for v in values if isinstance(v, int | float)]
+    if not values:
+        return None
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def make_record(results: dict, complete: bool) -> dict:
+    figures, ratios = {}, {}
+    for job, per in results.items():
+        figures[job] = {}
+        for backend, rounds in per.items():
+            usable = [r for r in rounds if "failed" not in r]
+            figures[job][backend] = {
+                "rounds": rounds, "failed_rounds": len(rounds) - len(usable),
+                **{k: summary([r.get(k) for r in usable])
+                   for k in ("throughput", "eval_accuracy", "eval_loss", "wall_seconds",
+                             "step_time_ms")}}
+        medians = {b: (figures[job][b]["throughput"] or {}).get("median") for b in BACKENDS}
+        if all(medians.values()):
+            ratios[f"{job}: jax/tensorflow"] = medians["jax"] / medians["tensorflow"]
+    config = {"complete": complete, "rounds": _ROUNDS.value, "jobs": {
+        job: {"prepare_source": source, "flags": extra}
+        for job, (source, extra) in jobs(_WORKDIR.value).items() if job in results},
+        "timing": "the report's median throughput over its measured steps (warm-up, "
+                  "compiles and probes left out); wall_seconds: the whole process"}
+    return bench.record("backends", config, figures, ratios)
+
+
+def main(argv):
+    del argv
+    results = {job: {b: [] for b in BACKENDS} for job in _JOBS.value}
+    name = f"backends-{datetime.date.today().isoformat()}{'-' + _TAG.value if _TAG.value else ''}"
+    path = os.path.join(_RESULTS.value, name + ".json") if _RESULTS.value else None
+    for r in range(_ROUNDS.value):
+        for job in _JOBS.value:
+            for backend in (BACKENDS if r % 2 == 0 else BACKENDS[::-1]):
+                result = run(job, backend, r)
+                results[job][backend].append({"round": r, **result})
+                print(f"round {r} {job} {backend}: {result.get('throughput')} "
+                      f"{result.get('error', '')[-300:]}", file=sys.stderr, flush=True)
+                record = make_record(results, complete=False)
+                if path:
+                    os.makedirs(_RESULTS.value, exist_ok=True)
+                    with open(path + ".tmp", "w") as f:
+                        json.dump(record, f, indent=2)
+                    os.replace(path + ".tmp", path)
+    record = make_record(results, complete=True)
+    if path:
+        with open(path, "w") as f:
+            json.dump(record, f, indent=2)
+    print(bench.RESULT + json.dumps(record))
+
+
+if __name__ == "__main__":
+    app.run(main)
