@@ -160,8 +160,8 @@ def _measure_text_input(job, budget: Budget, held) -> _InputFindings:
     budget allows), each timed whole: ``pipeline.STAGES``' cuts end in per-sequence
     elements of varying length that batch only as the text branch batches them. With the
     job's resolved figures (``job.batching``): each batching's expected padding and
-    predicted compute per real token, and the cost of ``held``, the batch the step is
-    timed on, in the same units."""
+    predicted work per real token, and the work of ``held``, the batch the step is timed
+    on, in the same units."""
     import numpy as np
 
     from tfspeed.data import long_texts, pipeline
@@ -203,7 +203,10 @@ def _measure_text_input(job, budget: Budget, held) -> _InputFindings:
             "mean_length": mean, "max_length": resolved.max_length,
             "batch_size": data.batch_size, "tokens_per_batch": budgets, "batching": figures,
             "expected_padding": resolved.expected_padding,
-            "costs": {mode: float(c) for mode, c in resolved.costs.items()},
+            # The work alone: the job's ``costs`` also fold in XLA's gain and compiles where
+            # a mode compiles, which the steps timed at each XLA setting measure here.
+            "costs": text_lib.predicted_costs(pieces, resolved.expected_padding,
+                                              resolved.max_length, resolved.attention_length),
             "attention_length": resolved.attention_length,
             "job": {"batching": resolved.mode, "tokens_per_batch": resolved.tokens_per_batch}}
     return _InputFindings({COLD: cold}, InputStages(cold.cpu_s, 0.0, None), ("batched",),

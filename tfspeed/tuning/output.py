@@ -9,6 +9,7 @@ import dataclasses
 import json
 import os
 
+from tfspeed.data.text import MODES
 from tfspeed.tuning.measurements import COLD, InputKey, InputTiming, Measurements
 from tfspeed.tuning.predict import Candidate, candidates, predict
 from tfspeed.tuning.verify import Budget, given_knobs
@@ -243,11 +244,11 @@ def reason(name: str, value: str, c: Candidate, m: Measurements) -> str:
 
 def _token_costs(m: Measurements) -> str:
     """Each batching's expected padding and, where known, predicted work per real token."""
-    costs = m.text.get("costs") or {}
+    costs, measured = m.text.get("costs") or {}, m.text["batching"]
     return "; ".join(
-        f"{mode}: {100 * f['expected_padding']:.0f}% padding" +
+        f"{mode}: {100 * measured[mode]['expected_padding']:.0f}% padding" +
         (f", {costs[mode]:.2f}x the work per real token" if mode in costs else "")
-        for mode, f in m.text["batching"].items()) + (
+        for mode in MODES if mode in measured) + (
         " (padding and attention pairs counted)" if m.text.get("attention_length") else "")
 
 

@@ -80,12 +80,14 @@ def predict(c: Candidate, m: Measurements) -> dict:
 
 def _predict_tokens(c: Candidate, m: Measurements) -> dict:
     """``predict`` for token batches. The step's time scales with the work a batch holds,
-    in ``text.Batching.costs``' units: each position of a row of w costs ``1 + w / K``
+    in ``text.predicted_costs``' units: each position of a row of w costs ``1 + w / K``
     (attention over every position of the row, padding's and other packed sequences' too),
     so a batch's work is its real tokens times its mode's cost per real token, against the
     work of the batch the step was timed on (``held_units``). The input's time scales with
     the tokens it batches (padding included). Without the model's K (a user's model) the
-    costs count padding alone.
+    costs count padding alone. The costs are the work alone (no XLA gain or compiles, as
+    the job's ``Batching.costs`` fold in): each candidate's step is the one timed at its
+    XLA setting.
 
     ``examples_per_sec`` is sequences/s (real tokens/s over the mean length), so token
     candidates rank among themselves by real tokens/s.

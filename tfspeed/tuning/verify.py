@@ -130,9 +130,9 @@ def auto_spe(m: Measurements) -> int:
 
 
 def verify(config, c: Candidate | None, run_dir: str, plan: RunPlan,
-           spe: int | None = None, mean_length: float = 0.0) -> dict:
+           pinned: dict | None = None, mean_length: float = 0.0) -> dict:
     """A short real run of the driver with ``c`` (None: the user's flags as they are, but
-    for ``spe`` where given: see ``auto_spe``).
+    for the knobs ``pinned``: see ``Verifier.plan``).
 
     Args:
       mean_length: token batches: the split's mean sequence length (``examples_per_sec`` is
@@ -151,9 +151,7 @@ def verify(config, c: Candidate | None, run_dir: str, plan: RunPlan,
     from tfspeed.training.run import run as train_run
 
     shutil.rmtree(run_dir, ignore_errors=True)  # a run left there would be resumed, not timed
-    knobs = knob_values(c) if c else {}
-    if spe:
-        knobs["steps_per_execution"] = spe
+    knobs = {**(knob_values(c) if c else {}), **(pinned or {})}
     accum = config.train.grad_accum_steps
     run_config = variant(config, model_dir=run_dir, **knobs,
                          train_steps=-(-plan.micro_steps // accum), epochs=1,
@@ -304,30 +302,38 @@ class Verifier:
         self.yours = user_rate(config, ranked, m)
         self.runs = 0
 
-    def plan(self, entry: dict) -> tuple[RunPlan, int | None]:
-        """The run of ``entry`` and the steps per call it is given (None: its own)."""
+    def plan(self, entry: dict) -> tuple[RunPlan, dict]:
+        """The run of ``entry`` and, for the user's flags, the knobs it is given where
+        their ``auto`` would decide otherwise in a short run than in the job: the job's
+        resolved token batching (``--batching=auto`` weighs compiles against the run's
+        length: a 3-step run bucketed what the job packed), and the steps per call of
+        ``auto_spe`` where the run is too short for the driver's probe."""
         c = entry["candidate"]
         rate = entry.get("examples_per_sec") or self.yours
         cold = (predict(dataclasses.replace(c, input_placement="host", cache="none"), self.m)
                 ["examples_per_sec"] if c else self.yours)
-        plan, spe = plan_run(self.config, c, self.m, rate, min(cold, rate)), None
+        plan, pinned = plan_run(self.config, c, self.m, rate, min(cold, rate)), {}
+        job = (self.m.text or {}).get("job")
+        if c is None and job and is_auto(self.config.data.batching):
+            pinned["batching"] = job["batching"]
         if c is None and is_auto(self.config.train.steps_per_execution) and not (
                 autotune.probe_fits(plan.micro_steps)):
-            spe = auto_spe(self.m)
-            plan = plan_run(self.config, c, self.m, rate, min(cold, rate), spe=spe)
-        return plan, spe
+            pinned["steps_per_execution"] = auto_spe(self.m)
+            plan = plan_run(self.config, c, self.m, rate, min(cold, rate),
+                            spe=pinned["steps_per_execution"])
+        return plan, pinned
 
     def check(self, entry: dict, name: str, then: float = 0.0) -> bool:
         """One run of ``entry``, if the budget allows it and ``then`` seconds more; False
         where it did not."""
         c = entry["candidate"]
-        plan, spe = self.plan(entry)
+        plan, pinned = self.plan(entry)
         if not self.budget.allows(plan.seconds + then, f"verifying {name}"):
             return False
         self.runs += 1
         say("verifying %s: a short run (~%.0f s)", name, plan.seconds)
         entry["measured"] = verify(self.config, c, os.path.join(self.work, f"run{self.runs}"),
-                                   plan, spe, (self.m.text or {}).get("mean_length", 0.0))
+                                   plan, pinned, (self.m.text or {}).get("mean_length", 0.0))
         self.budget.observe(plan.seconds, entry["measured"]["seconds"])
         say("%s: %.1f examples/s measured in %.0f s", name,
             entry["measured"]["examples_per_sec"], entry["measured"]["seconds"])
