@@ -130,7 +130,7 @@ def measure(config, budget: Budget, probe_dir: str) -> Measurements:
         step=step, stages=inputs.stages, parses=inputs.parses, caches=inputs.caches,
         objectives=steps[first].engine.objectives.report,  # what the timed steps trained
         device_step_ratio=in_step.step_s / step[first].step_s if in_step else 1.0,
-        device_step=in_step, text=inputs.text)
+        device_step=in_step, setup_s=round(steps[first].build_s, 2), text=inputs.text)
 
 
 def _storage(schema) -> str:
@@ -304,8 +304,8 @@ def _measure_steps(config, job, budget: Budget, size_mb: float, inputs: _InputFi
         say("building and tracing the step at %s, xla=%s", precision, xla)
         start = time.perf_counter()
         probe = probes[StepKey(precision, xla)] = _probe(job, held, precision, xla)
-        # building and tracing, then its calls in the timed rounds
-        cost = cost or time.perf_counter() - start + ROUNDS * probe.call_s
+        probe.build_s = time.perf_counter() - start
+        cost = cost or probe.build_s + ROUNDS * probe.call_s  # then its timed rounds
     first = next(iter(probes))
     in_step = None
     load_s = size_mb / 50 + inputs.timings[COLD].wall_s * job.num_train
@@ -355,6 +355,7 @@ class _Probe:
     walls: list
     cpus: list
     call_s: float = 0.0  # a timed call's seconds, as sized
+    build_s: float = 0.0  # building, tracing and sizing it
 
     def call(self) -> None:
         cpu, start = time.process_time(), time.perf_counter()

@@ -98,6 +98,10 @@ class Measurements:
     caches: tuple[str, ...]  # none, and the cache measured (memory or disk)
     objectives: dict  # the loss and metrics the timed steps trained
     device_step_ratio: float = 1.0  # the step with the split in it, over the step alone
+    # Seconds the first step setting took to build, trace and call once: a verifying run
+    # sets up no faster (the text transformer's: 8-10 s on 2 cores, where a small image
+    # model's fits in ``verify.SETUP_S``).
+    setup_s: float = 0.0
     device_step: StepTiming | None = None
     # Token records only (absent otherwise): ``{"held_tokens"`` (computed tokens of the
     # batch the steps were timed on), ``"held_width"`` (its row length), ``"held_units"``

@@ -24,7 +24,7 @@ VERIFY_SECONDS = 3.0  # of timed steady-state steps per verification run
 MIN_TIMED_STEPS = 24
 MIN_TIMED_TOKEN_STEPS = 16
 MIN_BUDGET_S = 20.0  # TF's start in two processes, the first measurements, one short run
-SETUP_S = 4.0  # a run's own setup: the model, the pipeline, tracing
+SETUP_S = 4.0  # a run's own setup: the model, the pipeline, tracing (or ``m.setup_s``)
 NOISE = 0.03  # runs closer than this to the fastest count as equally fast
 _DATA_KNOBS = ("input_placement", "cache", "parse", "input_threads", "batching",
                "tokens_per_batch")
@@ -117,7 +117,7 @@ def plan_run(config, c: Candidate | None, m: Measurements, rate: float,
     log_every = max(n, timed // 8 // n * n)  # ~8 windows for the median
     fill = m.steps_per_epoch if fills else 2 * log_every  # else two windows to settle
     return RunPlan(micro_steps=fill + timed, log_every=log_every,
-                   seconds=SETUP_S + fill * batch / cold_rate + timed * batch / rate)
+                   seconds=max(SETUP_S, m.setup_s) + fill * batch / cold_rate + timed * batch / rate)
 
 
 def auto_spe(m: Measurements) -> int:
