@@ -202,6 +202,37 @@ def test_the_run_of_your_text_flags_is_planned_at_their_own_batching(tmp_path):
     assert plan.seconds == pytest.approx(verify.SETUP_S + plan.micro_steps * per_batch / yours)
 
 
+def test_your_flags_alone_measured_are_kept_with_what_was_skipped(tmp_path, monkeypatch,
+                                                                    capsys):
+    """pipelines/text.flags at the default budget on a busy machine: measuring and the run
+    of your flags left no time for a candidate. The tune still ends with tuned.flags (your
+    flags, nothing changed) and says what it skipped; that run took the job's batching."""
+    from tfspeed.tuning import measure, tune
+
+    config, args = _text_config(tmp_path)
+    m = _costed(held_width=56, **SHORT)
+    budget = verify.Budget(60.0)
+    runs = []
+
+    def one_run(config, c, run_dir, plan, pinned=None, mean_length=0.0):
+        runs.append((c, pinned))
+        budget.start -= budget.left()  # the run took what was left
+        resolved = {**verify.knob_values(predict.rank(m)[0]["candidate"]), **pinned}
+        return {"examples_per_sec": 50.0, "real_tokens_per_sec": 2000.0,
+                "padding_fraction": 0.12, "seconds": plan.seconds, "resolved": resolved}
+
+    monkeypatch.setattr(measure, "measure_apart", lambda *a: m)
+    monkeypatch.setattr(verify, "verify", one_run)
+    result = tune.run(config, args, 60.0, str(tmp_path / "tune"), 3, budget)
+    assert [c for c, _ in runs] == [None]
+    assert runs[0][1]["batching"] == "bucket"  # the job's own, resolved once
+    assert result["kept_your_flags"] and result["skipped"]
+    flags = (tmp_path / "tune" / "tuned.flags").read_text()
+    assert "no candidate fit the budget" in flags.splitlines()[0]
+    out = capsys.readouterr().out
+    assert "skipped for lack of time: verifying" in out and "train with:" in out
+
+
 # ------------------------------------------------------------------ one real tune
 
 

@@ -28,9 +28,12 @@ def write_outputs(tune_dir: str, config, flag_args: list[str], m: Measurements,
       What ``tune.json`` holds, with the chart's path added.
     """
     result = _result(m, ranked, chosen, user, budget, keep_user)
-    result["reconvert"] = recommend_storage(config, m, chosen)
-    result["tuned_flags"] = write_flags(os.path.join(tune_dir, "tuned.flags"), flag_args,
-                                        config, None if keep_user else chosen, user, m)
+    result["reconvert"] = recommend_storage(config, m, chosen) if chosen else None
+    result["tuned_flags"] = write_flags(
+        os.path.join(tune_dir, "tuned.flags"), flag_args, config,
+        None if keep_user else chosen, user, m,
+        kept_because="no candidate beat the original flags" if chosen else
+        "no candidate fit the budget (a larger --budget_s verifies some)")
     with open(os.path.join(tune_dir, "tune.json"), "w") as f:
         json.dump({**result, "measurements": m.to_json()}, f, indent=2, default=str)
     result["chart"] = chart(result, os.path.join(tune_dir, "tune.png"))
@@ -111,12 +114,14 @@ def recommend_storage(config, m: Measurements, chosen: dict) -> dict | None:
 
 
 def write_flags(path: str, flag_args: list[str], config, chosen: dict | None, user: dict,
-                m: Measurements | None) -> dict:
+                m: Measurements | None,
+                kept_because: str = "no candidate beat the original flags") -> dict:
     """``tuned.flags``: the original flags, then each changed flag with its reason.
 
     Args:
       chosen: the winning entry, or None where the user's flags stay (nothing changes;
         ``m`` is then not needed).
+      kept_because: where they stay, why (the first line says it).
 
     Returns:
       ``{"path": path, "changed": {flag: value}}``.
@@ -126,7 +131,7 @@ def write_flags(path: str, flag_args: list[str], config, chosen: dict | None, us
     measured = (chosen or user)["measured"]["examples_per_sec"]
     head = f"# python -m tfspeed.tune: {measured:,.0f} examples/s measured with these flags"
     if chosen is None:
-        head += "; no candidate beat the original flags, nothing changed"
+        head += f"; {kept_because}, nothing changed"
     elif "measured" in user:
         head += (f", {measured / user['measured']['examples_per_sec']:.2f}x the original's "
                  f"{user['measured']['examples_per_sec']:,.0f} (predicted "
@@ -274,8 +279,9 @@ def report_lines(result: dict, m: Measurements) -> list[str]:
         lines.append(f" {mark}{r['label']:<58} {r['predicted']:>10,.0f} "
                      f"{r['measured']['examples_per_sec']:>10,.0f}")
     vs = f", {result['vs_user']:.2f}x your flags" if result["vs_user"] else ""
-    lines.append(f"chosen: {result['chosen']['label']}{vs} (prediction error "
-                 f"{100 * result['prediction_error']:.0f}%)")
+    error = result["prediction_error"]
+    lines.append(f"chosen: {result['chosen']['label']}{vs}" + (
+        f" (prediction error {100 * error:.0f}%)" if error is not None else ""))
     if result["reconvert"]:
         r = result["reconvert"]
         lines.append(f"reconvert (not done; {r['when']}): {r['command']}  [predicted "
