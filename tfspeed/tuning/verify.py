@@ -116,8 +116,9 @@ def plan_run(config, c: Candidate | None, m: Measurements, rate: float,
         config.data.input_placement != "device" and config.data.cache != "none"))
     log_every = max(n, timed // 8 // n * n)  # ~8 windows for the median
     fill = m.steps_per_epoch if fills else 2 * log_every  # else two windows to settle
+    setup = max(SETUP_S, m.setup_s)
     return RunPlan(micro_steps=fill + timed, log_every=log_every,
-                   seconds=max(SETUP_S, m.setup_s) + fill * batch / cold_rate + timed * batch / rate)
+                   seconds=setup + fill * batch / cold_rate + timed * batch / rate)
 
 
 def auto_spe(m: Measurements) -> int:
