@@ -7,7 +7,7 @@ call, ``tfspeed.tuning.tune.run_command`` (measure, predict, verify, output: see
 
 from __future__ import annotations
 
-from absl import app, flags, logging
+from absl import app, flags
 
 from tfspeed import runtime
 from tfspeed.config import flags as tfspeed_flags
@@ -63,5 +63,4 @@ def run_main() -> None:
 
 
 if __name__ == "__main__":
-    logging.set_verbosity(logging.WARNING)
     run_main()

@@ -26,7 +26,6 @@ import time
 import numpy as np
 from absl import logging
 
-from tfspeed.data import ingraph
 from tfspeed.errors import UsageError
 from tfspeed.runtime import hostmem
 
@@ -53,7 +52,7 @@ class Options:
 
 def measure(job, options: Options, out_dir: str) -> dict:
     """Runs (a)-(d) and the per-stage timing; returns the figures."""
-    from tfspeed.data import pipeline
+    from tfspeed.data import ingraph, pipeline
 
     config, batch = job.config, job.config.data.batch_size
     in_step = ingraph.is_in_step(job.train_data)
@@ -330,6 +329,8 @@ def _profile(engine, iterator, steps: int, out_dir: str) -> dict:
 
 def _batches(job):
     """What the engine trains on: the job's in-graph source, or an iterator over its data."""
+    from tfspeed.data import ingraph  # imports TensorFlow, which --help does not start
+
     return job.train_data if ingraph.is_in_step(job.train_data) else iter(job.train_data)
 
 

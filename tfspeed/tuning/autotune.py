@@ -47,6 +47,17 @@ def steps_per_execution(cost: CallCost, cap: int) -> int:
     return max(1, min(n, cap))
 
 
+def _probe_calls(remaining: int) -> int:
+    """Timed calls of ``PROBE_N`` steps that ``PROBE_SHARE`` of ``remaining`` steps allow."""
+    return (int(remaining * PROBE_SHARE) - 1) // PROBE_N
+
+
+def probe_fits(remaining: int) -> bool:
+    """Whether a run of ``remaining`` micro-steps is long enough for the probe of
+    ``tune_steps_per_execution`` (shorter ones take ``min(16, epoch)`` unmeasured)."""
+    return _probe_calls(remaining) >= 2
+
+
 def tune_steps_per_execution(run_call, remaining: int, per_epoch: int, agree=lambda v: v):
     """Probes and chooses N. ``run_call(n)`` trains n real steps and waits for them.
 
@@ -61,7 +72,7 @@ def tune_steps_per_execution(run_call, remaining: int, per_epoch: int, agree=lam
       ``(N, steps used, report)``.
     """
     cap = max(1, min(per_epoch, remaining))
-    calls = min(4, (int(remaining * PROBE_SHARE) - 1) // PROBE_N)
+    calls = min(4, _probe_calls(remaining))
     if calls < 2:
         n = min(16, cap)
         return n, 0, {"value": n, "auto": True, "probe": f"none: with {remaining} steps left "

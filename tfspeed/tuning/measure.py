@@ -28,9 +28,14 @@ from tfspeed.tuning.measurements import (
     StepKey,
     StepTiming,
 )
-from tfspeed.tuning.verify import Budget, variant
+from tfspeed.tuning.verify import Budget, say, variant
 
 MEASURE_SHARE = 0.55  # of the budget, at most, for measuring
+ROUNDS = 3  # interleaved timed calls of each step setting
+# An XLA probe's time over the first probe's: the transformer's took 1.0-1.2x (compiling
+# one shape) on 2 cores; the estimate was 2x (with the first probe's doubled), which left
+# XLA unmeasured at the default budget.
+XLA_COST = 1.5
 
 
 def measure_apart(flag_args: list[str], budget: Budget, tune_dir: str) -> Measurements:
@@ -46,15 +51,23 @@ def measure_apart(flag_args: list[str], budget: Budget, tune_dir: str) -> Measur
     path = os.path.join(tune_dir, "measurements.json")
     args = [a for a in flag_args if not a.startswith(("--budget_s", "--measure_to", "--deadline"))]
     share = max(MEASURE_SHARE * budget.left(), 1)  # the rest is for the runs that verify
-    done = subprocess.run([sys.executable, "-m", "tfspeed.tune", *args,
-                           f"--budget_s={share:.1f}", f"--deadline={time.time() + share:.3f}",
-                           f"--measure_to={path}"],
-                          capture_output=True, text=True)
-    errors = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
-    if done.returncode == 2 and errors:
+    say("measuring in a child process (%.0f s of the %.0f s left)", share, budget.left())
+    child = subprocess.Popen([sys.executable, "-m", "tfspeed.tune", *args,
+                              f"--budget_s={share:.1f}", f"--deadline={time.time() + share:.3f}",
+                              f"--measure_to={path}"],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    for line in child.stdout:  # its progress lines as they come; the rest for an error
+        lines.append(line)
+        if "] tune: " in line:
+            sys.stderr.write(line)
+            sys.stderr.flush()
+    returncode = child.wait()
+    errors = [line.strip() for line in lines if line.startswith("error: ")]
+    if returncode == 2 and errors:
         raise UsageError(errors[-1].removeprefix("error: "))
-    if done.returncode:
-        raise RuntimeError(f"measuring failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+    if returncode:
+        raise RuntimeError(f"measuring failed (exit {returncode}):\n{''.join(lines)[-3000:]}")
     with open(path) as f:
         found = json.load(f)
     os.remove(path)
@@ -78,6 +91,7 @@ def measure(config, budget: Budget, probe_dir: str) -> Measurements:
 
     host = variant(config, input_placement="host", cache="none", precision="float32",
                    model_dir=probe_dir)
+    say("measuring (%.0f s at most): preparing the job", budget.left())
     with job_lib.data_errors(config.data.data_dir):
         job = job_lib.prepare(host)
     try:
@@ -95,14 +109,17 @@ def measure(config, budget: Budget, probe_dir: str) -> Measurements:
         device_ok = device_ok and size_mb <= ram_mb
         tokens = text_lib.is_text(schema)
         with job_lib.data_errors(config.data.data_dir):
-            inputs = (_measure_text_input(job, budget) if tokens else
+            held = _held_batch(job)  # the step is timed on it, each setting alike
+            inputs = (_measure_text_input(job, budget, held) if tokens else
                       _measure_input(job, budget, size_mb <= ram_mb))
         device_ok = device_ok and not tokens  # token batches vary in shape: tf.data only
         steps, device_step = _measure_steps(config, job, budget, size_mb, inputs,
-                                            device_ok)
+                                            device_ok, held)
     finally:
         job.release()
     step = {key: probe.figures() for key, probe in steps.items()}
+    say("measured in %.0f s: the step alone %s", budget.used(), ", ".join(
+        f"{k} {1000 * v.step_s:.1f} ms" for k, v in step.items()))
     first = next(iter(steps))
     in_step = device_step.figures() if device_step else None
     return Measurements(
@@ -113,7 +130,7 @@ def measure(config, budget: Budget, probe_dir: str) -> Measurements:
         step=step, stages=inputs.stages, parses=inputs.parses, caches=inputs.caches,
         objectives=steps[first].engine.objectives.report,  # what the timed steps trained
         device_step_ratio=in_step.step_s / step[first].step_s if in_step else 1.0,
-        device_step=in_step, text=inputs.text)
+        device_step=in_step, setup_s=round(steps[first].build_s, 2), text=inputs.text)
 
 
 def _storage(schema) -> str:
@@ -134,61 +151,78 @@ class _InputFindings:
 
 
 TOKEN_BUDGETS = (1.0, 0.5, 2.0)  # --tokens_per_batch candidates, times the job's own
+TEXT_INPUT_SECONDS = 0.3  # timed per batching, after one batch (a packing window's fill)
 
 
-def _measure_text_input(job, budget: Budget) -> _InputFindings:
+def _measure_text_input(job, budget: Budget, held) -> _InputFindings:
     """CPU-seconds per computed token of the token pipeline batched each way the model can
-    take (pack only where it takes segment ids), each timed whole: ``pipeline.STAGES``'
-    cuts end in per-sequence elements of varying length that batch only as the text branch
-    batches them. With each batching's expected padding from the split's lengths."""
+    take (pack only where it takes segment ids; the job's own way first, the others as the
+    budget allows), each timed whole: ``pipeline.STAGES``' cuts end in per-sequence
+    elements of varying length that batch only as the text branch batches them. With the
+    job's resolved figures (``job.batching``): each batching's expected padding and
+    predicted work per real token, and the work of ``held``, the batch the step is timed
+    on, in the same units."""
     import numpy as np
-    import tensorflow as tf
 
     from tfspeed.data import long_texts, pipeline
     from tfspeed.data import text as text_lib
     from tfspeed.training import models
 
-    data, schema = job.train_data_config, job.schema
+    data, resolved = job.train_data_config, job.batching
     split = data.train_split
-    resolved = job.batching
-    counts = text_lib.length_counts(schema, split)
-    pieces = long_texts.piece_counts(counts, resolved.max_length, resolved.long)
-    expected = resolved.expected_padding
     modes = ["pad", "bucket"] + (["pack"] if models.takes_segments(job.config.model.name)
                                  else [])
-    total = float(pieces.sum())
-    mean = float(pieces @ np.arange(len(pieces))) / max(total, 1.0)
-    split_tokens = int(mean * total)
+    modes.sort(key=lambda mode: mode != resolved.mode)
+    mean = resolved.mean_length
+    pieces = long_texts.piece_counts(text_lib.length_counts(job.schema, split),
+                                     resolved.max_length, resolved.long)
+    split_tokens = int(pieces @ np.arange(len(pieces)))  # what one pass computes, unpadded
     budgets = sorted({t for t in (int(f * resolved.tokens_per_batch) for f in TOKEN_BUDGETS)
                       if resolved.max_length <= t <= split_tokens},
                      key=lambda t: t != resolved.tokens_per_batch)
     figures, cold = {}, None
     for mode in modes:
-        if figures and not budget.allows(2, f"the input batched by {mode}"):
+        if figures and not budget.allows(1 + TEXT_INPUT_SECONDS,
+                                         f"the input batched by {mode}"):
             continue
+        say("timing the input batched by %s", mode)
         cfg = dataclasses.replace(data, batching=mode, cache="none",
                                   tokens_per_batch=resolved.tokens_per_batch)
-        ds = pipeline.build_from_config(cfg, split, training=True, schema=schema)
-        computed = ds.map(lambda x, y: tf.size(x["segment_ids"]))  # tokens per batch
-        timing = _cpu_per_element(iter(computed), 1, 2, 0.5)
-        # _cpu_per_element counts batches: per computed token, from a sample of sizes.
-        sizes = [int(n) for n in computed.take(8)]
-        per_token = sum(sizes) / len(sizes)
-        figures[mode] = {"expected_padding": 0.0 if mode == "pack" else expected[mode],
-                         "input_cpu_per_token": timing.cpu_s / per_token}
-        if mode == data.batching or cold is None:
-            # per sequence: the existing report and cost-model fields stay meaningful
-            cold = InputTiming(cpu_s=timing.cpu_s / per_token * mean,
-                               wall_s=timing.wall_s / per_token * mean)
-    held = next(iter(pipeline.build_from_config(
-        dataclasses.replace(data, shuffle=False, augment=(), cache="none"), split,
-        training=True, schema=schema)))
-    text = {"held_tokens": int(tf.size(held[0]["segment_ids"])), "mean_length": mean,
-            "max_length": resolved.max_length, "batch_size": data.batch_size,
-            "tokens_per_batch": budgets, "batching": figures,
-            "expected_padding": expected}
+        ds = pipeline.build_from_config(cfg, split, training=True, schema=job.schema)
+        cpu_s, wall_s, computed = _time_token_batches(iter(ds), TEXT_INPUT_SECONDS)
+        figures[mode] = {"expected_padding": resolved.expected_padding[mode],
+                         "input_cpu_per_token": cpu_s / computed}
+        if cold is None:  # the job's own, per sequence: the report's fields stay meaningful
+            cold = InputTiming(cpu_s=cpu_s / computed * mean, wall_s=wall_s / computed * mean)
+    rows, width = (int(n) for n in np.shape(held[0]["segment_ids"]))
+    k = resolved.attention_length or float("inf")
+    text = {"held_tokens": rows * width, "held_width": width,
+            # per-token units of work (1 + w / K per position of a row of w: attention over
+            # every position, padding's too), as ``costs`` counts them per real token
+            "held_units": rows * width * (1 + width / k),
+            "mean_length": mean, "max_length": resolved.max_length,
+            "batch_size": data.batch_size, "tokens_per_batch": budgets, "batching": figures,
+            "expected_padding": resolved.expected_padding,
+            # The work alone: the job's ``costs`` also fold in XLA's gain and compiles where
+            # a mode compiles, which the steps timed at each XLA setting measure here.
+            "costs": text_lib.predicted_costs(pieces, resolved.expected_padding,
+                                              resolved.max_length, resolved.attention_length),
+            "attention_length": resolved.attention_length,
+            "job": {"batching": resolved.mode, "tokens_per_batch": resolved.tokens_per_batch}}
     return _InputFindings({COLD: cold}, InputStages(cold.cpu_s, 0.0, None), ("batched",),
                           ("none",), text)
+
+
+def _time_token_batches(iterator, seconds: float) -> tuple[float, float, int]:
+    """CPU- and wall-seconds over at least ``seconds`` (and 4 batches) of token batches,
+    after one, and the tokens they computed (padding included)."""
+    next(iterator)
+    cpu, wall, n, computed = time.process_time(), time.perf_counter(), 0, 0
+    while n < 4 or time.perf_counter() - wall < seconds:
+        x, _ = next(iterator)
+        computed += int(x["segment_ids"].shape[0] * x["segment_ids"].shape[1])
+        n += 1
+    return time.process_time() - cpu, time.perf_counter() - wall, computed
 
 
 def _measure_input(job, budget: Budget, fits: bool) -> _InputFindings:
@@ -241,7 +275,7 @@ def _cpu_per_element(iterator, batch: int, warmup: int, seconds: float = 1.0) ->
 
 
 def _measure_steps(config, job, budget: Budget, size_mb: float, inputs: _InputFindings,
-                   device_ok: bool) -> tuple[dict[StepKey, _Probe], _Probe | None]:
+                   device_ok: bool, held) -> tuple[dict[StepKey, _Probe], _Probe | None]:
     """The step alone at each precision and XLA setting the budget allows, and (where the
     split may be held in the step) the step with it, all timed in interleaved rounds.
 
@@ -261,40 +295,53 @@ def _measure_steps(config, job, budget: Budget, size_mb: float, inputs: _InputFi
     precisions = sorted({"float32", hw_precision}, key=lambda p: p != hw_precision)
     gpu = bool(tf.config.list_logical_devices("GPU"))
     xlas = ["on"] if gpu else ["off", "on"]  # on a GPU XLA is the measured default
-    held = _held_batches(job)
+    held = _repeated(job, held)
     probes, cost = {}, 0.0
     for xla, precision in itertools.product(xlas, precisions):
-        if cost and not budget.allows(cost * (2 if xla == "on" else 1),
+        if cost and not budget.allows(cost * (XLA_COST if xla == "on" else 1),
                                       f"the step at {precision}, xla={xla}"):
             continue
+        say("building and tracing the step at %s, xla=%s", precision, xla)
         start = time.perf_counter()
-        probes[StepKey(precision, xla)] = _probe(job, held, precision, xla)
-        cost = cost or 2 * (time.perf_counter() - start)  # building, then timing
+        probe = probes[StepKey(precision, xla)] = _probe(job, held, precision, xla)
+        probe.build_s = time.perf_counter() - start
+        cost = cost or probe.build_s + ROUNDS * probe.call_s  # then its timed rounds
     first = next(iter(probes))
     in_step = None
     load_s = size_mb / 50 + inputs.timings[COLD].wall_s * job.num_train
-    if device_ok and budget.allows(cost / 2 + load_s, "the step with the split held in it"):
+    if device_ok and budget.allows(cost + load_s, "the step with the split held in it"):
         # The split held in the step, gathered and augmented there: the same model and
         # precision as the first, timed in the same rounds as the others.
         data = job.train_data_config
         source = ingraph.load(data, job.schema, data.train_split,
                               global_batch_size=data.batch_size, device=job_input.device())
         in_step = _probe(job, source, first.precision, first.xla)
-    _time_interleaved([*probes.values(), *([in_step] if in_step else [])])
+    timed = [*probes.values(), *([in_step] if in_step else [])]
+    say("timing %d step settings in turn", len(timed))
+    _time_interleaved(timed)
     return probes, in_step
 
 
-def _held_batches(job):
-    """One real batch, repeated: the step alone, with no input work."""
-    import tensorflow as tf
-
+def _held_batch(job):
+    """One real batch of the job's training input (as its token batching batches it)."""
     from tfspeed.data import pipeline
 
     plain = dataclasses.replace(job.train_data_config, shuffle=False, augment=(), cache="none")
-    held = next(iter(pipeline.build_from_config(plain, plain.train_split, training=True,
-                                                schema=job.schema)))
+    return next(iter(pipeline.build_from_config(plain, plain.train_split, training=True,
+                                                schema=job.schema, batching=job.batching)))
+
+
+def _repeated(job, held):
+    """``held`` repeated, distributed: the step alone, with no input work."""
+    import tensorflow as tf
+
+    # Nothing to tune in a batch repeated, and an autotuned iterator that lived through the
+    # probes took 6-40 s to delete (its destructor waits for tf.data's model thread, asleep
+    # in Model::OptimizeLoop for a period that doubles while the iterator lives).
+    options = tf.data.Options()
+    options.autotune.enabled = False
     return iter(job.runtime.strategy.experimental_distribute_dataset(
-        tf.data.Dataset.from_tensors(held).repeat()))
+        tf.data.Dataset.from_tensors(held).repeat().with_options(options)))
 
 
 @dataclasses.dataclass
@@ -307,6 +354,8 @@ class _Probe:
     overhead: float
     walls: list
     cpus: list
+    call_s: float = 0.0  # a timed call's seconds, as sized
+    build_s: float = 0.0  # building, tracing and sizing it
 
     def call(self) -> None:
         cpu, start = time.process_time(), time.perf_counter()
@@ -340,10 +389,10 @@ def _probe(job, source, precision: str, xla: str) -> _Probe:
         empty.append(time.perf_counter() - start)
     overhead = statistics.median(empty)
     n = int(min(max(round(0.05 / max(one - overhead, 1e-6)), 1), 512))
-    return _Probe(engine, source, n, overhead, [], [])
+    return _Probe(engine, source, n, overhead, [], [], overhead + n * max(one - overhead, 0.0))
 
 
-def _time_interleaved(probes, rounds: int = 3) -> None:
+def _time_interleaved(probes, rounds: int = ROUNDS) -> None:
     """Each probe's calls, taking turns: the machine's noise spreads over all of them, and
     the first measured is not the one a busy moment hits."""
     probes = list(probes)

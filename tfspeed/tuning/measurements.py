@@ -98,11 +98,21 @@ class Measurements:
     caches: tuple[str, ...]  # none, and the cache measured (memory or disk)
     objectives: dict  # the loss and metrics the timed steps trained
     device_step_ratio: float = 1.0  # the step with the split in it, over the step alone
+    # Seconds the first step setting took to build, trace and call once: a verifying run
+    # sets up no faster (the text transformer's: 8-10 s on 2 cores, where a small image
+    # model's fits in ``verify.SETUP_S``).
+    setup_s: float = 0.0
     device_step: StepTiming | None = None
     # Token records only (absent otherwise): ``{"held_tokens"`` (computed tokens of the
-    # batch the steps were timed on), ``"mean_length"``, ``"max_length"``, ``"batch_size"``,
-    # ``"tokens_per_batch"`` (the choices), ``"batching": {mode: {"expected_padding",
-    # "input_cpu_per_token"}}``} (pack only where the model takes segment ids).
+    # batch the steps were timed on), ``"held_width"`` (its row length), ``"held_units"``
+    # (its work in ``costs``' units), ``"mean_length"``, ``"max_length"``,
+    # ``"batch_size"``, ``"tokens_per_batch"`` (the choices, the job's own first),
+    # ``"batching": {mode: {"expected_padding", "input_cpu_per_token"}}`` (the modes
+    # measured; pack only where the model takes segment ids), ``"expected_padding"``,
+    # ``"costs"`` (``text.predicted_costs`` of the job's resolved figures, uncompiled:
+    # predicted work per real token of each mode, padding and attention counted),
+    # ``"attention_length"`` (the model's K, or None),
+    # ``"job": {"batching", "tokens_per_batch"}`` (what the job's own flags resolve to)}.
     text: dict | None = None
 
     def to_json(self) -> dict[str, Any]:

@@ -10,10 +10,13 @@ import json
 import os
 
 from tfspeed.tuning.measurements import COLD, InputKey, InputTiming, Measurements
-from tfspeed.tuning.predict import Candidate, predict
-from tfspeed.tuning.verify import Budget
+from tfspeed.tuning.predict import Candidate, candidates, predict
+from tfspeed.tuning.verify import Budget, given_knobs
 from tfspeed.util import charts
 
+# ``tfspeed.data.text.MODES``, the order they are printed in (that module imports TensorFlow,
+# which ``--help`` does not start)
+_MODES = ("pad", "bucket", "pack")
 _PATH_FLAGS = ("flagfile", "data_dir", "model_dir")
 _TUNE_FLAGS = ("--budget_s", "--tune_dir", "--verify", "--measure_to")  # not the job's
 
@@ -27,9 +30,12 @@ def write_outputs(tune_dir: str, config, flag_args: list[str], m: Measurements,
       What ``tune.json`` holds, with the chart's path added.
     """
     result = _result(m, ranked, chosen, user, budget, keep_user)
-    result["reconvert"] = recommend_storage(config, m, chosen)
-    result["tuned_flags"] = write_flags(os.path.join(tune_dir, "tuned.flags"), flag_args,
-                                        config, None if keep_user else chosen, user, m)
+    result["reconvert"] = recommend_storage(config, m, chosen) if chosen else None
+    result["tuned_flags"] = write_flags(
+        os.path.join(tune_dir, "tuned.flags"), flag_args, config,
+        None if keep_user else chosen, user, m,
+        kept_because="no candidate beat the original flags" if chosen else
+        "no candidate fit the budget (a larger --budget_s verifies some)")
     with open(os.path.join(tune_dir, "tune.json"), "w") as f:
         json.dump({**result, "measurements": m.to_json()}, f, indent=2, default=str)
     result["chart"] = chart(result, os.path.join(tune_dir, "tune.png"))
@@ -44,7 +50,8 @@ def _result(m: Measurements, ranked, chosen, user, budget: Budget, keep_user: bo
                 "predicted": round(r["examples_per_sec"], 1), "bound": r["bound"],
                 "step_ms": round(r["step_ms"], 3), "input_cpu_ms": round(r["input_cpu_ms"], 3),
                 **({"predicted_real_tokens_per_sec": round(r["real_tokens_per_sec"], 1),
-                    "expected_padding": r["expected_padding"]}
+                    "expected_padding": r["expected_padding"],
+                    "cost_per_real_token": r["cost_per_real_token"]}
                    if "real_tokens_per_sec" in r else {}),
                 **({"measured": r["measured"]} if "measured" in r else {})}
 
@@ -109,22 +116,24 @@ def recommend_storage(config, m: Measurements, chosen: dict) -> dict | None:
 
 
 def write_flags(path: str, flag_args: list[str], config, chosen: dict | None, user: dict,
-                m: Measurements | None) -> dict:
+                m: Measurements | None,
+                kept_because: str = "no candidate beat the original flags") -> dict:
     """``tuned.flags``: the original flags, then each changed flag with its reason.
 
     Args:
       chosen: the winning entry, or None where the user's flags stay (nothing changes;
         ``m`` is then not needed).
+      kept_because: where they stay, why (the first line says it).
 
     Returns:
       ``{"path": path, "changed": {flag: value}}``.
     """
     resolved = (user.get("measured") or {}).get("resolved", {})
-    changed = _changed(chosen["candidate"], config, resolved) if chosen is not None else {}
+    changed = _changed(chosen["candidate"], config, resolved, m) if chosen is not None else {}
     measured = (chosen or user)["measured"]["examples_per_sec"]
     head = f"# python -m tfspeed.tune: {measured:,.0f} examples/s measured with these flags"
     if chosen is None:
-        head += "; no candidate beat the original flags, nothing changed"
+        head += f"; {kept_because}, nothing changed"
     elif "measured" in user:
         head += (f", {measured / user['measured']['examples_per_sec']:.2f}x the original's "
                  f"{user['measured']['examples_per_sec']:,.0f} (predicted "
@@ -148,17 +157,19 @@ def write_flags(path: str, flag_args: list[str], config, chosen: dict | None, us
     return {"path": path, "changed": changed}
 
 
-def _changed(c: Candidate, config, resolved: dict) -> dict:
+def _changed(c: Candidate, config, resolved: dict, m: Measurements) -> dict:
     """``c``'s knobs that differ from what the user's flags give (or resolved to, for
-    ``auto`` and 0), leaving out those that do not apply to ``c``."""
-    given = {"input_placement": config.data.input_placement, "cache": config.data.cache,
-             "parse": config.data.parse, "input_threads": config.data.input_threads,
-             "precision": config.runtime.precision, "xla": config.runtime.xla,
-             "steps_per_execution": config.train.steps_per_execution,
-             "batching": config.data.batching, "tokens_per_batch": config.data.tokens_per_batch}
+    ``auto`` and 0), leaving out those that do not apply to ``c``, and those left to
+    ``auto`` that no candidate varied (nothing was compared: on text, the input's
+    placement, cache and parse): ``auto`` decides them as before, and where the run of the
+    user's flags did not happen there is no resolved value to compare with."""
+    given, every = given_knobs(config), candidates(m)
+    fixed = {name for name in c.flags() if len({getattr(o, name) for o in every}) == 1}
     changed = {}
     for name, value in c.flags().items():
         value = getattr(c, name)
+        if name in fixed and given[name] in ("auto", 0):
+            continue
         if name == "tokens_per_batch" and c.batching == "pad":
             continue  # a padded batch holds --batch_size sequences
         if c.input_placement == "device" and name in ("cache", "parse", "input_threads"):
@@ -214,21 +225,20 @@ def reason(name: str, value: str, c: Candidate, m: Measurements) -> str:
         return (f"input costs {cold:.2f} CPU-ms per batch decoded, {warm_ms:.2f} from the "
                 f"{value} cache; the split takes {m.size_mb:,.1f} MB of "
                 f"{m.ram_budget_mb:,.0f}")
-    if name == "parse":
+    if name == "parse" and InputKey("none", "single") in m.input:
         single = m.input[InputKey("none", "single")].cpu_s * m.batch_size * 1000
         return f"parsing costs {cold:.2f} CPU-ms per batch batched, {single:.2f} one by one"
+    if name == "parse":  # one parse mode measured (token records: always batched)
+        return f"the input measured {cold:.2f} CPU-ms per batch parsed {value}"
     if name == "input_threads":
         return (f"input capped at {value} of {m.cores} cores measured faster: the step "
                 "keeps the rest")
     if name == "batching":
-        figures = ", ".join(f"{mode} {100 * f['expected_padding']:.0f}%"
-                            for mode, f in m.text["batching"].items())
-        return (f"expected padding from the split's lengths: {figures}; {value} measured the "
-                "most real tokens/s")
+        return (f"{_token_costs(m)}; {value} measured the most real tokens/s")
     if name == "tokens_per_batch":
         step = m.step[c.step_key]
         return (f"a call costs {1000 * step.overhead_s:.2f} ms besides the step's "
-                f"{1e6 * step.step_s / m.text['held_tokens']:.2f} µs per computed token: "
+                f"{1000 * step.step_s:.1f} ms on {m.text['held_tokens']:,} tokens: "
                 f"{value} tokens per batch measured the most real tokens/s of "
                 f"{m.text['tokens_per_batch']}")
     if name in ("precision", "xla"):
@@ -237,6 +247,16 @@ def reason(name: str, value: str, c: Candidate, m: Measurements) -> str:
     s = m.step[c.step_key]
     return (f"a call costs {1000 * s.overhead_s:.2f} ms besides its steps of "
             f"{1000 * s.step_s:.3f} ms: {value} steps per call keep that under 2%")
+
+
+def _token_costs(m: Measurements) -> str:
+    """Each batching's expected padding and, where known, predicted work per real token."""
+    costs, measured = m.text.get("costs") or {}, m.text["batching"]
+    return "; ".join(
+        f"{mode}: {100 * measured[mode]['expected_padding']:.0f}% padding" +
+        (f", {costs[mode]:.2f}x the work per real token" if mode in costs else "")
+        for mode in _MODES if mode in measured) + (
+        " (padding and attention pairs counted)" if m.text.get("attention_length") else "")
 
 
 def report_lines(result: dict, m: Measurements) -> list[str]:
@@ -250,6 +270,8 @@ def report_lines(result: dict, m: Measurements) -> list[str]:
              "  step alone: " + ", ".join(f"{k} {1000 * v.step_s:.2f} ms + "
                                           f"{1000 * v.overhead_s:.2f} ms per call"
                                           for k, v in m.step.items()),
+             *([f"  text: {m.text['mean_length']:.0f} tokens per sequence on average, rows "
+                f"of up to {m.text['max_length']}; {_token_costs(m)}"] if m.text else []),
              f"  {'candidate':<58} {'predicted':>10} {'measured':>10}"]
     if result["user"]:
         lines.append(f"  {'your flags':<58} {'':>10} "
@@ -259,8 +281,9 @@ def report_lines(result: dict, m: Measurements) -> list[str]:
         lines.append(f" {mark}{r['label']:<58} {r['predicted']:>10,.0f} "
                      f"{r['measured']['examples_per_sec']:>10,.0f}")
     vs = f", {result['vs_user']:.2f}x your flags" if result["vs_user"] else ""
-    lines.append(f"chosen: {result['chosen']['label']}{vs} (prediction error "
-                 f"{100 * result['prediction_error']:.0f}%)")
+    error = result["prediction_error"]
+    lines.append(f"chosen: {result['chosen']['label']}{vs}" + (
+        f" (prediction error {100 * error:.0f}%)" if error is not None else ""))
     if result["reconvert"]:
         r = result["reconvert"]
         lines.append(f"reconvert (not done; {r['when']}): {r['command']}  [predicted "

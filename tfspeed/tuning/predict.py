@@ -50,6 +50,7 @@ class Candidate:
 
 
 _TEXT_KNOBS = ("batching", "tokens_per_batch")
+TOKEN_BUDGET_MARGIN = 0.03  # a token budget other than the job's must be predicted this faster
 
 
 def predict(c: Candidate, m: Measurements) -> dict:
@@ -78,39 +79,65 @@ def predict(c: Candidate, m: Measurements) -> dict:
 
 
 def _predict_tokens(c: Candidate, m: Measurements) -> dict:
-    """``predict`` for token batches: the step's time scales with the tokens it computes
-    (padding included), the input's with the tokens it batches; what is learnt from is the
-    real share, ``1 - expected_padding`` of the batching from the split's lengths.
+    """``predict`` for token batches. The step's time scales with the work a batch holds,
+    in ``text.predicted_costs``' units: each position of a row of w costs ``1 + w / K``
+    (attention over every position of the row, padding's and other packed sequences' too),
+    so a batch's work is its real tokens times its mode's cost per real token, against the
+    work of the batch the step was timed on (``held_units``). The input's time scales with
+    the tokens it batches (padding included). Without the model's K (a user's model) the
+    costs count padding alone. The costs are the work alone (no XLA gain or compiles, as
+    the job's ``Batching.costs`` fold in): each candidate's step is the one timed at its
+    XLA setting.
 
     ``examples_per_sec`` is sequences/s (real tokens/s over the mean length), so token
     candidates rank among themselves by real tokens/s.
     """
     text = m.text
-    mode = text["batching"][c.batching]
-    padding = mode["expected_padding"]
-    if c.batching == "pad":  # a batch of B sequences padded to its longest
-        computed = text["batch_size"] * text["mean_length"] / max(1 - padding, 1e-3)
-    else:
-        computed = c.tokens_per_batch
+    padding = text["batching"][c.batching]["expected_padding"]
+    real = real_tokens_per_batch(c, m)
+    computed = real / max(1 - padding, 1e-3)
+    cost = text.get("costs", {}).get(c.batching)  # absent from older tune.json files
+    units = real * cost if cost else computed
     step = m.step[c.step_key]
-    per_token = computed / max(text["held_tokens"], 1)
-    w = step.step_s * per_token + step.overhead_s / c.steps_per_execution
-    u = step.cpu_per_step_s * per_token
-    i = mode["input_cpu_per_token"] * computed
+    scale = units / max(text.get("held_units") or text["held_tokens"], 1)
+    w = step.step_s * scale + step.overhead_s / c.steps_per_execution
+    u = step.cpu_per_step_s * scale
+    i = text["batching"][c.batching]["input_cpu_per_token"] * computed
     threads = min(c.input_threads or m.cores, m.cores)
     terms = {"step": w, "input": i / threads, "cores": (u + i) / m.cores}
     bound = max(terms, key=terms.get)
-    real = computed * (1 - padding) / terms[bound]
-    return {"examples_per_sec": real / max(text["mean_length"], 1e-9), "bound": bound,
-            "real_tokens_per_sec": real, "expected_padding": padding,
-            "step_ms": 1000 * w, "step_cpu_ms": 1000 * u, "input_cpu_ms": 1000 * i}
+    rate = real / terms[bound]
+    return {"examples_per_sec": rate / max(text["mean_length"], 1e-9), "bound": bound,
+            "real_tokens_per_sec": rate, "expected_padding": padding,
+            "cost_per_real_token": cost, "step_ms": 1000 * w, "step_cpu_ms": 1000 * u,
+            "input_cpu_ms": 1000 * i}
+
+
+def real_tokens_per_batch(c: Candidate | None, m: Measurements) -> float:
+    """Real tokens a batch of ``c`` holds on average (None: the job's own batching): a
+    padded batch's ``--batch_size`` sequences of the mean length, a bucketed or packed
+    one's token budget less its expected padding."""
+    text = m.text
+    mode, tokens = ((c.batching, c.tokens_per_batch) if c is not None and c.batching else
+                    (text["job"]["batching"], text["job"]["tokens_per_batch"]))
+    if mode == "pad":
+        return text["batch_size"] * text["mean_length"]
+    return tokens * (1 - text["batching"][mode]["expected_padding"])
+
+
+def examples_per_batch(c: Candidate | None, m: Measurements) -> float:
+    """Examples a batch of ``c`` holds (None: the job's own flags): ``--batch_size``, or for
+    token batches the sequences expected in one."""
+    if not m.text:
+        return float(m.batch_size)
+    return real_tokens_per_batch(c, m) / max(m.text["mean_length"], 1e-9)
 
 
 def token_choices(m: Measurements) -> list[tuple[str, int]]:
-    """(batching, tokens_per_batch) pairs of a token job: pad at its batch size, bucket
-    and pack (where measured) at each token budget."""
+    """(batching, tokens_per_batch) pairs of a token job, of the batchings measured: pad at
+    its batch size, bucket and pack at each token budget."""
     text = m.text
-    pairs = [("pad", text["tokens_per_batch"][0])]
+    pairs = [("pad", text["tokens_per_batch"][0])] if "pad" in text["batching"] else []
     for mode in ("bucket", "pack"):
         if mode in text["batching"]:
             pairs += [(mode, tokens) for tokens in text["tokens_per_batch"]]
@@ -118,11 +145,19 @@ def token_choices(m: Measurements) -> list[tuple[str, int]]:
 
 
 def candidates(m: Measurements) -> list[Candidate]:
-    """Every combination of the knobs the measurements cover (infeasible ones left out)."""
+    """Every combination of the knobs the measurements cover (infeasible ones left out).
+
+    Token batches take XLA only packed where the step was also measured without it (a
+    CPU): padded and bucketed batches change shape from batch to batch, and XLA compiles
+    each shape, seconds apart, which the step timed on one held batch does not show (so the
+    driver's ``--xla=auto`` leaves them uncompiled there, ``runtime.for_batching``).
+    """
     if m.text:
         base = dataclasses.replace(m, text=None)
         return [dataclasses.replace(c, batching=mode, tokens_per_batch=tokens)
-                for c in candidates(base) for mode, tokens in token_choices(m)]
+                for c in candidates(base) for mode, tokens in token_choices(m)
+                if mode == "pack" or c.xla == "off" or
+                StepKey(c.precision, "off") not in m.step]
     steps = {key: spe_choices(timing, m.steps_per_epoch) for key, timing in m.step.items()}
     threads = sorted({0, *([m.cores - 1] if m.cores > 1 else [])})
     inputs = [("device", "none", "batched", 0)] if m.device_ok else []
@@ -137,6 +172,11 @@ def candidates(m: Measurements) -> list[Candidate]:
 def rank(m: Measurements) -> list[dict]:
     """Every candidate with its prediction, fastest first.
 
+    A token budget other than the job's own ranks as if ``TOKEN_BUDGET_MARGIN`` slower: it
+    changes the updates per epoch, not only the speed, so it has to be predicted clearly
+    faster (with ``costs``, the step's work per real token does not depend on it: only the
+    call overhead and the input do).
+
     Where predictions tie (the step or the cores bound both), fewer tf.data threads come
     first: threads the input does not need only wake up and preempt a step that keeps every
     core busy. ``benchmarks/tune.py``'s grids measured one thread faster than all cores with
@@ -145,9 +185,14 @@ def rank(m: Measurements) -> list[dict]:
     Returns:
       ``{"candidate": Candidate, **predict(candidate, m)}`` for each candidate.
     """
+    own = m.text["job"]["tokens_per_batch"] if m.text and "job" in m.text else None
+
     def key(r):
         c = r["candidate"]
-        return -r["examples_per_sec"], min(c.input_threads or m.cores, m.cores)
+        rate = r["examples_per_sec"]
+        if own and c.batching != "pad" and c.tokens_per_batch != own:
+            rate *= 1 - TOKEN_BUDGET_MARGIN
+        return -rate, min(c.input_threads or m.cores, m.cores)
 
     return sorted(({"candidate": c, **predict(c, m)} for c in candidates(m)), key=key)
 

@@ -96,11 +96,14 @@ def run(config, flag_args: list[str], budget_s: float, tune_dir: str, verify_n: 
     verifier = verify.Verifier(config, m, ranked, budget, work)
     user = verifier.first_round(ranked, verify_n)
     verified = [r for r in ranked if "measured" in r]
-    if not verified:
+    if not verified and "measured" not in user:
         raise UsageError(f"--budget_s={budget_s:g} left no time to verify a candidate "
                          f"(measuring took {budget.used():.0f} s); raise it")
-    verifier.second_round(verified, user)
-    chosen, keep_user = verify.choose(verified, user)
+    if verified:
+        verifier.second_round(verified, user)
+    # Your flags alone measured (the text job at the default budget on a busy machine):
+    # kept, with the measurements and predictions, and what the budget skipped.
+    chosen, keep_user = verify.choose(verified, user) if verified else (None, True)
     shutil.rmtree(work, ignore_errors=True)
     return output.write_outputs(tune_dir, config, flag_args, m, ranked, chosen, user, budget,
                                 keep_user)

@@ -10,18 +10,31 @@ import io
 import os
 import time
 
+from absl import logging
+
 from tfspeed.config import is_auto
+from tfspeed.tuning import autotune
 from tfspeed.tuning.measurements import Measurements
-from tfspeed.tuning.predict import Candidate, predict
+from tfspeed.tuning.predict import Candidate, examples_per_batch, predict, spe_choices
 
 VERIFY_SECONDS = 3.0  # of timed steady-state steps per verification run
+# Timed micro-steps per run, at least: 8 windows for the meter's median. Token batches take
+# fewer: a transformer's step (0.1-0.5 s on 2 cores) makes 24 of them several times
+# VERIFY_SECONDS, and bucketed rows vary from step to step anyway.
+MIN_TIMED_STEPS = 24
+MIN_TIMED_TOKEN_STEPS = 16
 MIN_BUDGET_S = 20.0  # TF's start in two processes, the first measurements, one short run
-SETUP_S = 4.0  # a run's own setup: the model, the pipeline, tracing
+SETUP_S = 4.0  # a run's own setup: the model, the pipeline, tracing (or ``m.setup_s``)
 NOISE = 0.03  # runs closer than this to the fastest count as equally fast
 _DATA_KNOBS = ("input_placement", "cache", "parse", "input_threads", "batching",
                "tokens_per_batch")
 _RUNTIME_KNOBS = ("precision", "xla")
 _TRAIN_KNOBS = ("steps_per_execution", "train_steps", "log_every", "checkpoint_every", "epochs")
+
+
+def say(message: str, *args) -> None:
+    """A progress line (absl INFO, ``tune: ...``): the tune's phases take tens of seconds."""
+    logging.info("tune: " + message, *args)
 
 
 class Budget:
@@ -53,6 +66,7 @@ class Budget:
         if self.left() - self.reserve >= seconds:
             return True
         self.skipped.append(f"{what} (~{seconds:.0f} s; {max(self.left(), 0):.0f} s left)")
+        say("skipped for lack of time: %s", self.skipped[-1])
         return False
 
 
@@ -80,28 +94,55 @@ class RunPlan:
 
 
 def plan_run(config, c: Candidate | None, m: Measurements, rate: float,
-             cold_rate: float) -> RunPlan:
+             cold_rate: float, spe: int | None = None) -> RunPlan:
     """A run long enough for ~``VERIFY_SECONDS`` of steady state at ``rate`` examples/s,
-    after one epoch at ``cold_rate`` where a cache must fill first."""
-    batch = config.data.batch_size
-    spe = c.steps_per_execution if c else config.train.steps_per_execution
+    after one epoch at ``cold_rate`` where a cache must fill first.
+
+    Token batches hold the sequences their batching puts in one (``examples_per_batch``),
+    and never wait for a cache to fill: a token pipeline's input costs about 1% of the
+    transformer's step or less (``tune.json``'s measurements), cached or not.
+
+    Args:
+      spe: the run's steps per call where the tune sets it (``auto_spe``); None: ``c``'s,
+        or for the user's flags theirs.
+    """
+    batch = examples_per_batch(c, m)
+    spe = spe or (c.steps_per_execution if c else config.train.steps_per_execution)
     n = 1 if is_auto(spe) else max(spe, 1)  # auto: its own timing starts at 1
-    timed = max(int(VERIFY_SECONDS * rate / batch), 8 * n, 24)
+    least = MIN_TIMED_TOKEN_STEPS if m.text else MIN_TIMED_STEPS
+    timed = max(int(VERIFY_SECONDS * rate / batch), 8 * n, least)
     timed = -(-timed // n) * n
-    fills = (c.input_placement == "host" and c.cache != "none") if c else (
-        config.data.input_placement != "device" and config.data.cache != "none")
+    fills = not m.text and ((c.input_placement == "host" and c.cache != "none") if c else (
+        config.data.input_placement != "device" and config.data.cache != "none"))
     log_every = max(n, timed // 8 // n * n)  # ~8 windows for the median
     fill = m.steps_per_epoch if fills else 2 * log_every  # else two windows to settle
+    setup = max(SETUP_S, m.setup_s)
     return RunPlan(micro_steps=fill + timed, log_every=log_every,
-                   seconds=SETUP_S + fill * batch / cold_rate + timed * batch / rate)
+                   seconds=setup + fill * batch / cold_rate + timed * batch / rate)
 
 
-def verify(config, c: Candidate | None, run_dir: str, plan: RunPlan) -> dict:
-    """A short real run of the driver with ``c`` (None: the user's flags as they are).
+def auto_spe(m: Measurements) -> int:
+    """The steps per call that ``--steps_per_execution=auto`` picks after its probe (the
+    cost model's N from the step measured first): what the user's flags are timed at where
+    a verifying run is too short for the driver's probe, which would otherwise take 16
+    steps per call unmeasured (the first call is left out as warm-up: 16 of a 20-step run).
+    """
+    return max(spe_choices(next(iter(m.step.values())), m.steps_per_epoch))
+
+
+def verify(config, c: Candidate | None, run_dir: str, plan: RunPlan,
+           pinned: dict | None = None, mean_length: float = 0.0) -> dict:
+    """A short real run of the driver with ``c`` (None: the user's flags as they are, but
+    for the knobs ``pinned``: see ``Verifier.plan``).
+
+    Args:
+      mean_length: token batches: the split's mean sequence length (``examples_per_sec`` is
+        then the measured real tokens/s over it).
 
     Returns:
-      Steady-state examples/s from its meter (the median window, after a cache has filled),
-      the run's seconds, input wait, objectives and ``resolved`` settings.
+      Steady-state examples/s from its meter (the median window, after a cache has filled;
+      token batches: over all its measured windows), the run's seconds, input wait,
+      objectives and ``resolved`` settings.
     """
     import gc
     import shutil
@@ -111,7 +152,7 @@ def verify(config, c: Candidate | None, run_dir: str, plan: RunPlan) -> dict:
     from tfspeed.training.run import run as train_run
 
     shutil.rmtree(run_dir, ignore_errors=True)  # a run left there would be resumed, not timed
-    knobs = knob_values(c) if c else {}
+    knobs = {**(knob_values(c) if c else {}), **(pinned or {})}
     accum = config.train.grad_accum_steps
     run_config = variant(config, model_dir=run_dir, **knobs,
                          train_steps=-(-plan.micro_steps // accum), epochs=1,
@@ -128,18 +169,58 @@ def verify(config, c: Candidate | None, run_dir: str, plan: RunPlan) -> dict:
     # this, and held their speed with it (measured once on 2 cores, not benchmarked).
     keras.backend.clear_session()
     gc.collect()
-    tokens = {"real_tokens_per_sec": report["real_tokens_per_sec"],
-              "padding_fraction": report["padding_fraction"],
-              "compiled_functions": report.get("compiled_functions")
-              } if "real_tokens_per_sec" in report else {}
-    # Token batches: sequences/s, what every batching delivers alike (rows/s would favour
-    # padding); the candidates' own order is by real tokens/s, the same up to the mean length.
-    return {"examples_per_sec": report["sequences_per_sec"] if tokens
-            else report["examples_per_sec"], **tokens,
+    tokens = _token_figures(report, mean_length) if "real_tokens_per_sec" in report else {}
+    return {"examples_per_sec": tokens.pop("examples_per_sec", report["examples_per_sec"]),
+            **tokens,
             "seconds": round(seconds, 2), "micro_steps": plan.micro_steps,
             "expected_seconds": round(plan.seconds, 1),
             "input_wait_pct": report.get("input_wait_pct"), "resolved": _resolved(report),
             "objectives": report.get("objectives")}
+
+
+def _token_figures(report: dict, mean_length: float) -> dict:
+    """A token run's speed: real tokens over the seconds of all its measured windows, and
+    as ``examples_per_sec`` the sequences of the mean length that makes (rows/s would
+    favour padding). Not the meter's median window: bucketed windows of a few steps each
+    hold one width, and a narrow bucket's window holds many short sequences, a wide one's
+    few long ones; on pystdlib (mean 255 tokens) the median window's sequences/s came to
+    424 real tokens per sequence, halving bucket's figure against pack's (same real
+    tokens/s), in the run of the user's flags at the default budget."""
+    measured = report.get("real_tokens_measured") or 0
+    seconds = report.get("seconds_measured") or 0
+    real = measured / seconds if measured and seconds else report["real_tokens_per_sec"]
+    return {"examples_per_sec": real / mean_length if mean_length else
+            report["sequences_per_sec"],
+            "real_tokens_per_sec": real, "padding_fraction": report["padding_fraction"],
+            "median_window_sequences_per_sec": report["sequences_per_sec"],
+            "compiled_functions": report.get("compiled_functions")}
+
+
+def given_knobs(config) -> dict:
+    """The tuned knobs as the user's flags set them (``auto`` or 0 where left to choose)."""
+    return {"input_placement": config.data.input_placement, "cache": config.data.cache,
+            "parse": config.data.parse, "input_threads": config.data.input_threads,
+            "precision": config.runtime.precision, "xla": config.runtime.xla,
+            "steps_per_execution": config.train.steps_per_execution,
+            "batching": config.data.batching, "tokens_per_batch": config.data.tokens_per_batch}
+
+
+def user_rate(config, ranked: list[dict], m: Measurements) -> float:
+    """Examples/s to plan the run of the user's flags by: the slowest prediction among the
+    candidates their settings allow (any value where ``auto``; token batches at the batching
+    the job resolved), or among all where none matches."""
+    given = given_knobs(config)
+    job = (m.text or {}).get("job")
+    if job:
+        given = {**given, **job}
+
+    def allowed(c: Candidate) -> bool:
+        return all(is_auto(given[k]) or str(given[k]) == str(v)
+                   for k, v in knob_values(c).items()
+                   if not (k == "tokens_per_batch" and c.batching == "pad"))
+
+    mine = [r["examples_per_sec"] for r in ranked if allowed(r["candidate"])]
+    return min(mine or [r["examples_per_sec"] for r in ranked])
 
 
 def knob_values(c: Candidate) -> dict:
@@ -174,9 +255,16 @@ def as_candidate(resolved: dict) -> Candidate | None:
         return None
 
 
-def to_verify(ranked: list[dict], n: int) -> list[dict]:
+def to_verify(ranked: list[dict], n: int, yours: dict | None = None) -> list[dict]:
     """The ``n`` candidates to run: the best predicted of each input setup (placement and
-    cache: where predictions tie, which one wins is what the runs are for), best first."""
+    cache: where predictions tie, which one wins is what the runs are for), best first.
+
+    Token batches: the batching that the run of the user's flags (``yours``, its resolved
+    settings) already measured comes after the other batchings, and a candidate that is
+    that run again (no knob changed) is not run.
+    """
+    mine = (yours or {}).get("batching")
+    ranked = [r for r in ranked if not (mine and changes(r["candidate"], yours) == 0)]
     groups, firsts = set(), []
     for r in ranked:
         c = r["candidate"]
@@ -184,6 +272,7 @@ def to_verify(ranked: list[dict], n: int) -> list[dict]:
         if key not in groups:
             groups.add(key)
             firsts.append(r)
+    firsts.sort(key=lambda r: bool(mine) and r["candidate"].batching == mine)  # stable
     rest = [r for r in ranked if r not in firsts]
     seen, out = set(), []
     for r in firsts + rest:  # then the next best, one per distinct input setup
@@ -211,22 +300,44 @@ class Verifier:
 
     def __init__(self, config, m: Measurements, ranked: list[dict], budget: Budget, work: str):
         self.config, self.m, self.budget, self.work = config, m, budget, work
-        self.slowest = min(r["examples_per_sec"] for r in ranked)
+        self.yours = user_rate(config, ranked, m)
         self.runs = 0
 
-    def check(self, entry: dict, name: str) -> bool:
-        """One run of ``entry``, if the budget allows it; False where it did not."""
+    def plan(self, entry: dict) -> tuple[RunPlan, dict]:
+        """The run of ``entry`` and, for the user's flags, the knobs it is given where
+        their ``auto`` would decide otherwise in a short run than in the job: the job's
+        resolved token batching (``--batching=auto`` weighs compiles against the run's
+        length: a 3-step run bucketed what the job packed), and the steps per call of
+        ``auto_spe`` where the run is too short for the driver's probe."""
         c = entry["candidate"]
-        rate = entry.get("examples_per_sec") or self.slowest  # yours: assume the slowest
+        rate = entry.get("examples_per_sec") or self.yours
         cold = (predict(dataclasses.replace(c, input_placement="host", cache="none"), self.m)
-                ["examples_per_sec"] if c else self.slowest)
-        plan = plan_run(self.config, c, self.m, rate, min(cold, rate))
-        if not self.budget.allows(plan.seconds, f"verifying {name}"):
+                ["examples_per_sec"] if c else self.yours)
+        plan, pinned = plan_run(self.config, c, self.m, rate, min(cold, rate)), {}
+        job = (self.m.text or {}).get("job")
+        if c is None and job and is_auto(self.config.data.batching):
+            pinned["batching"] = job["batching"]
+        if c is None and is_auto(self.config.train.steps_per_execution) and not (
+                autotune.probe_fits(plan.micro_steps)):
+            pinned["steps_per_execution"] = auto_spe(self.m)
+            plan = plan_run(self.config, c, self.m, rate, min(cold, rate),
+                            spe=pinned["steps_per_execution"])
+        return plan, pinned
+
+    def check(self, entry: dict, name: str, then: float = 0.0) -> bool:
+        """One run of ``entry``, if the budget allows it and ``then`` seconds more; False
+        where it did not."""
+        c = entry["candidate"]
+        plan, pinned = self.plan(entry)
+        if not self.budget.allows(plan.seconds + then, f"verifying {name}"):
             return False
         self.runs += 1
+        say("verifying %s: a short run (~%.0f s)", name, plan.seconds)
         entry["measured"] = verify(self.config, c, os.path.join(self.work, f"run{self.runs}"),
-                                   plan)
+                                   plan, pinned, (self.m.text or {}).get("mean_length", 0.0))
         self.budget.observe(plan.seconds, entry["measured"]["seconds"])
+        say("%s: %.1f examples/s measured in %.0f s", name,
+            entry["measured"]["examples_per_sec"], entry["measured"]["seconds"])
         return True
 
     def first_round(self, ranked: list[dict], n: int) -> dict:
@@ -242,7 +353,7 @@ class Verifier:
             user["predicted"] = predict(mine, self.m)["examples_per_sec"] if mine and (
                 mine.step_key in self.m.step) and (not mine.batching or mine.batching in (
                     self.m.text or {}).get("batching", {})) else None
-        for entry in to_verify(ranked, n):
+        for entry in to_verify(ranked, n, user.get("measured", {}).get("resolved")):
             self.check(entry, entry["candidate"].label())
         return user
 
@@ -251,15 +362,28 @@ class Verifier:
         one run can be unlucky (and a process's first runs are slower); each keeps its
         best, with both rounds' figures."""
         again = sorted(verified, key=lambda r: -r["measured"]["examples_per_sec"])
-        for entry in [*again[:1], user, *again[1:]] if "measured" in user else again:
-            first = entry["measured"]
-            label = entry["candidate"].label() if entry["candidate"] else "your flags"
-            if not self.check(entry, "a second round of " + label):
-                continue
-            entry["measured"]["rounds"] = sorted([first["examples_per_sec"],
-                                                  entry["measured"]["examples_per_sec"]])
-            if first["examples_per_sec"] > entry["measured"]["examples_per_sec"]:
-                entry["measured"] = {**first, "rounds": entry["measured"]["rounds"]}
+        if "measured" not in user:
+            for entry in again:
+                self._again(entry)
+            return
+        # The fastest runs again only where your flags can too: one of the two alone with
+        # a second chance would be favoured (each keeps its best).
+        if self._again(again[0], then=self.plan(user)[0].seconds):
+            self._again(user)
+        for entry in again[1:]:
+            self._again(entry)
+
+    def _again(self, entry: dict, then: float = 0.0) -> bool:
+        first = entry["measured"]
+        label = entry["candidate"].label() if entry["candidate"] else "your flags"
+        if not self.check(entry, "a second round of " + label +
+                          (", then of your flags" if then else ""), then):
+            return False
+        entry["measured"]["rounds"] = sorted([first["examples_per_sec"],
+                                              entry["measured"]["examples_per_sec"]])
+        if first["examples_per_sec"] > entry["measured"]["examples_per_sec"]:
+            entry["measured"] = {**first, "rounds": entry["measured"]["rounds"]}
+        return True
 
 
 def choose(verified: list[dict], user: dict) -> tuple[dict, bool]:
