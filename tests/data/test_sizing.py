@@ -57,3 +57,12 @@ def test_read_threads_feed_the_decode_with_slack(cores):
 def test_nonsense_inputs_still_give_usable_sizes():
     sizes = input_sizes(cores=0, shards=0, record_bytes=0)
     assert sizes.cycle_length == 1 and sizes.group == sizing.GROUP
+
+
+def test_the_hypothesis_is_taken_only_where_a_benchmark_asks_for_it(monkeypatch):
+    monkeypatch.setenv(sizing.READ_SIZING_ENV, "many_core")
+    assert input_sizes(16, 16, JPEG) == sizing.many_core_hypothesis(16, 16, JPEG)
+    assert input_sizes(16, 16, JPEG).read_threads == 2
+    monkeypatch.delenv(sizing.READ_SIZING_ENV)
+    assert input_sizes(16, 16, JPEG).read_threads == AUTOTUNE
+

@@ -27,8 +27,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 
 AUTOTUNE = -1  # tf.data.AUTOTUNE
+# Set to "many_core" (benchmarks/input_pipeline.py's contender, on a host of MANY_CORES or
+# more), the pipeline takes ``many_core_hypothesis``' sizes: what is measured against today's.
+READ_SIZING_ENV = "TFSPEED_READ_SIZING"
 
 # From this many cores on, the read stage gets explicit threads instead of AUTOTUNE (below
 # it, AUTOTUNE measured at or above the guide's pipeline: no reason to change).
@@ -93,20 +97,25 @@ def input_sizes(cores: int, shards: int, record_bytes: float) -> Sizes:
       shards: the shard files this input pipeline reads.
       record_bytes: bytes per record as stored (``plan.record_bytes(..., encoded=True)``).
     """
-    del cores  # the measured sizes do not depend on it (yet)
+    if os.environ.get(READ_SIZING_ENV) == "many_core":
+        return many_core_hypothesis(cores, shards, record_bytes)
+    return _measured(shards, record_bytes)
+
+
+def _measured(shards: int, record_bytes: float) -> Sizes:
     shards = max(1, int(shards))
     return Sizes(cycle_length=min(shards, MIN_CYCLE_LENGTH), read_threads=AUTOTUNE,
                  group=group_size(record_bytes))
 
 
 def many_core_hypothesis(cores: int, shards: int, record_bytes: float) -> Sizes:
-    """What to measure against ``input_sizes`` on a host with ``MANY_CORES`` or more (not
-    used by the pipeline): a shard open per core, and the interleave's threads capped at what
-    the decode needs with slack."""
+    """What to measure against ``input_sizes`` on a host with ``MANY_CORES`` or more (the
+    pipeline uses it only under ``READ_SIZING_ENV=many_core``): a shard open per core, and
+    the interleave's threads capped at what the decode needs with slack."""
     cores, shards = max(1, int(cores)), max(1, int(shards))
     cycle_length = min(shards, max(MIN_CYCLE_LENGTH, cores))
     if cores < MANY_CORES:
-        return input_sizes(cores, shards, record_bytes)
+        return _measured(shards, record_bytes)
     wanted = max(MIN_READ_THREADS, math.ceil(cores / DECODE_CORES_PER_READ_THREAD))
     return Sizes(cycle_length=cycle_length, read_threads=min(cycle_length, wanted),
                  group=group_size(record_bytes))
