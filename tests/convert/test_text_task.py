@@ -23,9 +23,18 @@ def labelled_paragraphs(classes: int = 8, names=None) -> list[tuple[str, str]]:
 
 
 def converter(capsys, *args) -> tuple[int, str, list[str]]:
-    """The command line in this process: (exit status, stdout, stderr lines)."""
-    with pytest.raises(SystemExit) as exit_info:
-        run(["to_tfrecord.py", "--tokenizer=bpe:300", "--workers=1", "--noprogress", *args])
+    """The command line in this process: (exit status, stdout, stderr lines). absl logs to
+    the captured stderr even where another test of this process parsed the global flags
+    first (the command then leaves logging to whoever did, as a library call should)."""
+    from absl import flags
+
+    logtostderr = flags.FLAGS["logtostderr"].value
+    flags.FLAGS["logtostderr"].value = True
+    try:
+        with pytest.raises(SystemExit) as exit_info:
+            run(["to_tfrecord.py", "--tokenizer=bpe:300", "--workers=1", "--noprogress", *args])
+    finally:
+        flags.FLAGS["logtostderr"].value = logtostderr
     captured = capsys.readouterr()
     return exit_info.value.code, captured.out, captured.err.splitlines()
 
