@@ -32,15 +32,6 @@ def scaling_layer(name: str = "scale_images"):
     return keras.layers.Rescaling(SCALE, name=name)
 
 
-def float_images(spec) -> bool:
-    """Whether ``spec`` (a dataset's input ``TensorSpec``) is a batch of float images: rank 4
-    (batch, height, width, channels) and floating point."""
-    shape = getattr(spec, "shape", None)
-    dtype = getattr(spec, "dtype", None)
-    return shape is not None and shape.rank == 4 and bool(dtype is not None and
-                                                           dtype.is_floating)
-
-
 def float_images_advice(fix: str) -> str:
     """What diagnose and ``tfspeed.fit`` say when float32 images go to the device."""
     return f"float32 images sent to the device: 4x the bytes of uint8; {fix}"

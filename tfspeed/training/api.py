@@ -118,17 +118,17 @@ def _image_input(train) -> dict:
 
     from tfspeed.data import images
 
-    x = train.element_spec[0]
-    if images.float_images(x):
-        advice = images.float_images_advice(
-            "build the data with tfspeed.data.build(..., image_dtype='uint8') and put "
-            "tfspeed.data.scaling_layer() first in the model: the scale then runs inside the "
-            "compiled step")
-        logging.warning("%s", advice)
-        return {"input": {"image_dtype": x.dtype.name, "advice": advice}}
-    if getattr(x, "shape", None) is not None and x.shape.rank == 4:
+    x = train.element_spec[0]  # images: a TensorSpec (batch, height, width, channels)
+    if getattr(x, "shape", None) is None or x.shape.rank != 4:
+        return {}
+    if not x.dtype.is_floating:
         return {"input": {"image_dtype": x.dtype.name}}
-    return {}
+    advice = images.float_images_advice(
+        "build the data with tfspeed.data.build(..., image_dtype='uint8') and put "
+        "tfspeed.data.scaling_layer() first in the model: the scale then runs inside the "
+        "compiled step")
+    logging.warning("%s", advice)
+    return {"input": {"image_dtype": x.dtype.name, "advice": advice}}
 
 
 @dataclasses.dataclass
