@@ -310,4 +310,14 @@ def test_tuned_text_flags_train_with_the_chosen_batching(text_tune, tmp_path):
                    config.train if name == "steps_per_execution" else config.data)
         assert str(getattr(section, name)) == str(value)
     assert report["real_tokens_per_sec"] > 0
-    assert report["micro_steps"] == result["measurements"]["steps_per_epoch"]
+    # One pass of the batching trained (the tune may have chosen another than the user's,
+    # whose pass its measurements count).
+    from tfspeed.data import schema as schema_lib
+    from tfspeed.data import text as text_lib
+
+    trained = text_lib.Batching(**batching)
+    assert report["micro_steps"] == text_lib.batches_per_epoch(
+        trained, schema_lib.read(config.data.data_dir), config.data.train_split)
+    if trained.mode == result["user"]["resolved"]["batching"] and (
+            trained.tokens_per_batch == int(result["user"]["resolved"]["tokens_per_batch"])):
+        assert report["micro_steps"] == result["measurements"]["steps_per_epoch"]
