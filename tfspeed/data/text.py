@@ -30,11 +30,14 @@ PAD_MARGIN = 0.05
 # costs about this many of the run's batches (the transformer on 2 cores: 2-4 s to compile
 # against 0.1-0.3 s a step), so a short run takes fewer buckets.
 COMPILE_BATCHES = 20.0
-# ... and once compiled, a step runs this much faster: packed rows of the benchmark's
-# transformer on pystdlib, 2 cores, 16,649 real tokens/s with XLA against 11,262 without
-# (benchmarks/results/sequences-2026-11-26*.json). It decides only between a compiled mode
-# and one that is not (TensorFlow on a CPU compiles packed rows alone).
-XLA_GAIN = 1.45
+# ... and once compiled, a step runs this much faster, by task: the steady rates of packed
+# rows with XLA against bucketed rows without it, given the work ``predicted_costs`` puts in
+# each (the transformer of benchmarks/sequences.py on 2 cores, a quiet machine,
+# sequences-2026-11-27-auto.json): pystdlib 1.10, pydocs 1.16 (classification), pydoc_lm
+# 1.74 (an lm: XLA fuses the softmax over the vocabulary that every token pays). It decides
+# only between a compiled mode and one that is not (TensorFlow on a CPU compiles packed
+# rows alone); ``tests/data/test_cost_model.py`` holds it against the newest record.
+XLA_GAIN = {"classification": 1.13, "lm": 1.74}
 MODES = ("pad", "bucket", "pack")
 
 
@@ -202,13 +205,13 @@ def pack_padding(counts: np.ndarray, max_length: int, max_segments: int,
 
 def predicted_costs(counts: np.ndarray, padding: dict, max_length: int,
                     attention_length: float | None, compiled=(),
-                    shape_cost: float = 0.0) -> dict[str, float]:
+                    shape_cost: float = 0.0, task: str = "classification") -> dict[str, float]:
     """Compute per real token of each mode, in units of the per-token work: a row of width
     w costs each of its tokens ``1 + w / K`` (K = ``attention_length``: a token attends to
     all w positions of its row, the masked ones too), and padding costs as real tokens.
     A mode in ``compiled`` pays a compile per batch shape, each ``shape_cost`` of the run:
     one for packed rows, one per bucket, one per width for padded batches; its steps then
-    cost ``1 / XLA_GAIN`` of an uncompiled one's."""
+    cost ``1 / XLA_GAIN[task]`` of an uncompiled one's."""
     k = attention_length or float("inf")
     real = float(np.dot(np.arange(len(counts)), counts)) or 1.0
 
@@ -222,13 +225,23 @@ def predicted_costs(counts: np.ndarray, padding: dict, max_length: int,
         lower = boundary
     shapes = {"pad": float(np.count_nonzero(counts)), "bucket": len(padding["boundaries"]),
               "pack": 1}
-    compile_ = {m: (1 + shapes[m] * shape_cost) / XLA_GAIN if m in compiled else 1.0
+    compile_ = {m: compiled_factor(shapes[m], shape_cost, task) if m in compiled else 1.0
                 for m in shapes}
-    return {"pad": round(per_token(padding["pad_width"]) / max(1 - padding["pad"], 1e-3)
-                         * compile_["pad"], 4),
+    return {"pad": round(row_cost(padding["pad_width"], k, padding["pad"]) * compile_["pad"], 4),
             "bucket": round(bucketed / real * compile_["bucket"], 4),
-            "pack": round(per_token(max_length) / max(1 - padding["pack"], 1e-3)
-                          * compile_["pack"], 4)}
+            "pack": round(row_cost(max_length, k, padding["pack"]) * compile_["pack"], 4)}
+
+
+def row_cost(width: int, attention_length: float, padding: float) -> float:
+    """The work per real token of rows of ``width`` holding ``padding`` (``predicted_costs``'
+    units): every position pays ``1 + width / K``."""
+    return (1.0 + width / attention_length) / max(1 - padding, 1e-3)
+
+
+def compiled_factor(shapes: float, shape_cost: float, task: str) -> float:
+    """What compiling every batch shape does to a mode's cost: ``shapes`` compiles of
+    ``shape_cost`` of the run each, then steps ``XLA_GAIN[task]`` faster."""
+    return (1 + shapes * shape_cost) / XLA_GAIN[task]
 
 
 def choose(costs: dict[str, float], takes_segments: bool) -> tuple[str, str]:
@@ -283,7 +296,8 @@ def resolve(config, schema, takes_segments: bool = False, replicas: int = 1,
     padding["pack"] = pack_padding(counts, t, segments)
     boundaries = _cover(padding["boundaries"], every, t, config.long)
     tokens = _tokens_per_batch(config, mean, t, boundaries, replicas)
-    costs = predicted_costs(counts, padding, t, attention_length, compiled, shape_cost)
+    costs = predicted_costs(counts, padding, t, attention_length, compiled, shape_cost,
+                            schema.task)
     mode, reason = config.batching, f"--batching={config.batching}"
     if mode == "auto":
         mode, reason = choose(costs, takes_segments)
