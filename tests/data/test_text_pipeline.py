@@ -12,6 +12,7 @@ import tensorflow as tf
 import tfspeed.data
 from tests.conftest import REPO
 from tfspeed.config import DataConfig
+from tfspeed.data import pipeline
 from tfspeed.data import schema as schema_lib
 from tfspeed.data import text
 
@@ -252,3 +253,28 @@ def test_auto_buckets_short_texts_for_the_transformer(short_texts):
     assert resolved.costs["pack"] > 1.3 * resolved.costs["bucket"], resolved.costs
     assert resolved.expected_padding["pack"] < resolved.expected_padding["bucket"]
     assert resolved.mean_length < 40
+
+
+@pytest.mark.parametrize("corpus", ["code", "short prose"])
+def test_buckets_cost_nothing_where_no_shape_compiles(corpus, text_dir, short_texts):
+    """TensorFlow without XLA traces the step once for every width: there the job buckets at
+    the least padding (up to FREE_BUCKETS, on multiples of FREE_MULTIPLE). Where each shape
+    compiles, or where that is not known (``tfspeed.data.build`` for a user's step), the
+    fewest buckets under the target. The batches pad exactly as predicted."""
+    data_dir = text_dir if corpus == "code" else short_texts
+    schema = schema_lib.read(data_dir)
+    config = DataConfig(data_dir=data_dir, batch_size=32, batching="bucket")
+    free = text.resolve(config, schema, True, compiled=("pack",))  # TF on a CPU, --xla=auto
+    unknown = text.resolve(config, schema, True)
+    compiled = text.resolve(config, schema, True, compiled=text.MODES, run_steps=1000)
+    assert len(free.boundaries) <= text.FREE_BUCKETS
+    assert all(b % text.FREE_MULTIPLE == 0 for b in free.boundaries[:-1])
+    assert len(unknown.boundaries) <= text.MAX_BUCKETS >= len(compiled.boundaries)
+    assert free.expected_padding["bucket"] < unknown.expected_padding["bucket"]
+    assert free.boundaries[-1] == unknown.boundaries[-1]  # every split's longest fits
+    real = computed = 0
+    for x, _ in pipeline.build_from_config(config, "train", training=False, schema=schema,
+                                           batching=free):
+        real += int(np.sum(x["segment_ids"].numpy() > 0))
+        computed += x["tokens"].numpy().size
+    assert 1 - real / computed == pytest.approx(free.expected_padding["bucket"], abs=0.005)

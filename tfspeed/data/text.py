@@ -22,6 +22,12 @@ from tfspeed.errors import UsageError
 INPUT_NAMES = ("tokens", "segment_ids", "positions")
 MAX_BUCKETS = 16
 BUCKET_PADDING_TARGET = 0.10  # the fewest buckets that keep expected padding below this
+# Where no bucket's shape is compiled (TensorFlow without XLA traces the step once for every
+# width), more buckets cost nothing but a partial batch each in the grouping buffer: up to
+# this many, on multiples of FREE_MULTIPLE, whatever brings the padding lowest. Short texts
+# gain most: at multiples of 8, a 9-token text is padded to 16.
+FREE_BUCKETS = 32
+FREE_MULTIPLE = 4
 PACK_WINDOW = 1024  # sequences first-fit together (sequences.pack)
 # auto takes the cheaper mode only when it is predicted this much cheaper than padding each
 # batch to its longest: pad has one shape fewer to trace and no grouping buffer.
@@ -149,12 +155,15 @@ def resolve_max_length(longest_sequence: int, requested: int = 0) -> int:
     return max(2, min(cap, -(-max(longest_sequence, 1) // 8) * 8))
 
 
-def expected_padding(counts: np.ndarray, batch_size: int, shape_cost: float = 0.0) -> dict:
+def expected_padding(counts: np.ndarray, batch_size: int, shape_cost: float = 0.0,
+                     free_shapes: bool = False) -> dict:
     """Expected padding fractions of ``counts`` (lengths after the long policy).
 
     Args:
       shape_cost: where every bucket's shape is compiled, what one compile costs as a share
-        of the run (``COMPILE_BATCHES`` over its batches); 0: shapes cost nothing.
+        of the run (``COMPILE_BATCHES`` over its batches); 0: not known.
+      free_shapes: no bucket's shape is compiled: up to ``FREE_BUCKETS`` buckets on
+        multiples of ``FREE_MULTIPLE``, the least padding.
 
     Returns:
       ``{"pad", "fixed", "bucket", "boundaries", "pad_width"}``: ``pad`` pads a batch of
@@ -162,7 +171,7 @@ def expected_padding(counts: np.ndarray, batch_size: int, shape_cost: float = 0.
       distribution), ``fixed`` every sequence to the longest allowed, ``bucket`` each to its
       bucket's boundary, with the fewest buckets (up to ``MAX_BUCKETS``) that bring it under
       ``BUCKET_PADDING_TARGET`` (with ``shape_cost``: the number of buckets that costs least,
-      ``(1 + buckets * shape_cost) / (1 - padding)``).
+      ``(1 + buckets * shape_cost) / (1 - padding)``; with ``free_shapes``: the least padding).
     """
     max_length = len(counts) - 1
     total = counts.sum()
@@ -179,6 +188,9 @@ def expected_padding(counts: np.ndarray, batch_size: int, shape_cost: float = 0.
                    for k in range(1, MAX_BUCKETS + 1)]
         boundaries, bucket = min(choices, key=lambda c: (1 + len(c[0]) * shape_cost)
                                  / max(1 - c[1], 1e-3))
+    elif free_shapes:
+        boundaries, bucket = sequences.choose_boundaries(counts, max_length, FREE_BUCKETS,
+                                                         multiple=FREE_MULTIPLE)
     else:
         for buckets in range(1, MAX_BUCKETS + 1):
             boundaries, bucket = sequences.choose_boundaries(counts, max_length, buckets)
@@ -258,7 +270,7 @@ def choose(costs: dict[str, float], takes_segments: bool) -> tuple[str, str]:
 
 
 def resolve(config, schema, takes_segments: bool = False, replicas: int = 1,
-            attention_length: float | None = None, compiled=(), run_steps: int = 0,
+            attention_length: float | None = None, compiled=None, run_steps: int = 0,
             run_epochs: float = 0.0) -> Batching:
     """The ``Batching`` of a DataConfig (``batching``, ``max_length``, ``tokens_per_batch``,
     ``long``, ``batch_size``) on a token schema: the one resolver (the job resolves once and
@@ -273,7 +285,8 @@ def resolve(config, schema, takes_segments: bool = False, replicas: int = 1,
       takes_segments: the model takes segment ids (``auto`` may then pack).
       replicas: every global batch is a multiple of this many sequences or rows.
       attention_length: the model's K (see ``Batching``); None: padding alone is counted.
-      compiled: the modes whose every batch shape is compiled on this runtime (XLA).
+      compiled: the modes whose every batch shape is compiled on this runtime (XLA); None:
+        not known (a dataset for a user's own step, which may compile each shape).
       run_steps, run_epochs: the run's length in batches, or in passes over the train split
         (0: unknown): what share of the run a compile takes.
 
@@ -291,8 +304,10 @@ def resolve(config, schema, takes_segments: bool = False, replicas: int = 1,
     budget = config.tokens_per_batch or config.batch_size * mean
     run_batches = run_steps or run_epochs * mean * counts.sum() / max(budget, 1.0)
     shape_cost = COMPILE_BATCHES / run_batches if run_batches and compiled else 0.0
+    free = compiled is not None and "bucket" not in compiled
+    compiled = compiled or ()
     padding = expected_padding(counts, config.batch_size,
-                               shape_cost if "bucket" in compiled else 0.0)
+                               shape_cost if "bucket" in compiled else 0.0, free)
     segments = max(1, t // 8)
     padding["pack"] = pack_padding(counts, t, segments)
     boundaries = _cover(padding["boundaries"], every, t, config.long)
@@ -326,7 +341,7 @@ def _cover(boundaries: list[int], every: dict, max_length: int, long: str) -> li
     need = min(max_length, -(-widest // 8) * 8)
     if need <= boundaries[-1]:
         return list(boundaries)
-    return [*boundaries[: MAX_BUCKETS - 1], need]
+    return [*boundaries[: max(MAX_BUCKETS, len(boundaries)) - 1], need]
 
 
 def _tokens_per_batch(config, mean: float, max_length: int, boundaries, replicas: int) -> int:
