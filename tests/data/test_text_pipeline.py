@@ -171,7 +171,7 @@ def test_a_compiled_mode_pays_its_compiles_and_runs_its_steps_faster(text_dir):
     counts the compile as a share of the run and XLA's faster steps; bucket's is as before."""
     schema = schema_lib.read(text_dir)
     config = DataConfig(data_dir=text_dir, batch_size=32)
-    plain = text.resolve(config, schema, True, attention_length=241.0)
+    plain = text.resolve(config, schema, True, attention_length=241.0, compiled=())
     short, long = (text.resolve(config, schema, True, attention_length=241.0,
                                 compiled=("pack",), run_steps=steps) for steps in (40, 4000))
     for run, steps in ((short, 40), (long, 4000)):
@@ -260,7 +260,8 @@ def test_buckets_cost_nothing_where_no_shape_compiles(corpus, text_dir, short_te
     """TensorFlow without XLA traces the step once for every width: there the job buckets at
     the least padding (up to FREE_BUCKETS, on multiples of FREE_MULTIPLE). Where each shape
     compiles, or where that is not known (``tfspeed.data.build`` for a user's step), the
-    fewest buckets under the target. The batches pad exactly as predicted."""
+    fewest buckets under the target. The batches pad exactly as predicted: evaluation fills
+    a bucket's short last batch only to whole replica shares there (here one)."""
     data_dir = text_dir if corpus == "code" else short_texts
     schema = schema_lib.read(data_dir)
     config = DataConfig(data_dir=data_dir, batch_size=32, batching="bucket")

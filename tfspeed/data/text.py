@@ -78,6 +78,9 @@ class Batching:
       mean_length: the train split's mean sequence (piece) length.
       replicas: every global batch's sequences or rows are a multiple of this.
       measured: what ``--batching=auto`` timed (seconds per real token per mode), when it did.
+      free_shapes: no batch shape is compiled (TensorFlow without XLA): up to
+        ``FREE_BUCKETS`` buckets, and evaluation's last batch of a bucket is filled only to a
+        multiple of the replicas, not to the bucket's full batch.
     """
 
     mode: str
@@ -97,6 +100,7 @@ class Batching:
     mean_length: float = 0.0
     replicas: int = 1
     measured: dict = dataclasses.field(default_factory=dict)
+    free_shapes: bool = False
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -331,7 +335,7 @@ def resolve(config, schema, takes_segments: bool = False, replicas: int = 1,
         expected_padding=padding, costs=costs, attention_length=attention_length,
         long_counts={name: long_texts.events(np.arange(len(c)), t, config.long, weights=c)
                      for name, c in every.items()},
-        mean_length=round(mean, 2), replicas=replicas)
+        mean_length=round(mean, 2), replicas=replicas, free_shapes=free)
 
 
 def _cover(boundaries: list[int], every: dict, max_length: int, long: str) -> list[int]:
@@ -404,7 +408,8 @@ def batch(ds, batching: Batching, *, training: bool, longest: int, num_pipelines
     batch is one batch cut into ``local_replicas`` equal consecutive parts, which
     ``distribute_datasets_from_function`` hands to its replicas in turn: every replica of a
     step gets the same static [B, T]. Evaluation drops nothing: a short last batch (per
-    bucket) is filled with empty rows (weight 0).
+    bucket) is filled with empty rows (weight 0), to the full batch where each shape
+    compiles, else to a multiple of the replicas.
 
     Args:
       ds: ``make_to_example``'s elements (shuffled and repeated for training).
@@ -438,6 +443,8 @@ def batch(ds, batching: Batching, *, training: bool, longest: int, num_pipelines
                                                              multiple), tf.int32)
 
             def fill(x, y):
+                if batching.free_shapes:  # no compile per shape: whole replica shares only
+                    return _fill((x, y), -(-tf.shape(x["tokens"])[0] // multiple) * multiple)
                 index = tf.argmax(tf.cast(edges == tf.shape(x["tokens"])[1], tf.int32))
                 return _fill((x, y), sizes[index])
 
