@@ -12,9 +12,8 @@ import tensorflow as tf
 import tfspeed.data
 from tests.conftest import REPO
 from tfspeed.config import DataConfig
-from tfspeed.data import pipeline
+from tfspeed.data import pipeline, text
 from tfspeed.data import schema as schema_lib
-from tfspeed.data import text
 
 MAX_LENGTH = 256
 
