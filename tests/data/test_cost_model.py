@@ -10,7 +10,7 @@ must be within ``TOLERANCE`` of 1, and where every record measured a clear gap t
 ranks the modes the same way. One record alone is not enough: pack's rate on short texts
 swung by 1.5x between two quiet runs. Changing the cost model, the attention formula or the
 XLA gains away from measurement fails this; so does committing records the model does not
-fit (refit ``text.XLA_GAIN`` then). No timing is taken here.
+fit (refit ``text.XLA_GAIN`` and ``XLA_OVERHEAD_TOKENS`` then). No timing is taken here.
 """
 
 import glob
@@ -51,8 +51,7 @@ def median_rate(figures: dict, contender: str) -> float:
     return statistics.median(r["real_tokens_per_sec"] for r in figures[contender]["rounds"])
 
 
-def steady_cost(batching: dict, mode: str, attention_length: float, xla: bool,
-                task: str) -> float:
+def steady_cost(batching: dict, mode: str, attention_length: float, xla: bool) -> float:
     """A mode's predicted work per real token without compiles (the record's rates leave the
     first step out), recomputed from the record's batching figures."""
     if mode == "pack":
@@ -60,7 +59,8 @@ def steady_cost(batching: dict, mode: str, attention_length: float, xla: bool,
                              batching["expected_padding"]["pack"])
     else:
         cost = batching["costs"]["bucket"]  # uncompiled in the record (checked below)
-    return cost * (text.compiled_factor(1, 0.0, task) if xla else 1.0)
+    tokens = batching["tokens_per_batch"] / batching["replicas"]
+    return cost * (text.compiled_factor(1, 0.0, tokens) if xla else 1.0)
 
 
 def ratios(record: dict, name: str) -> tuple[float, float]:
@@ -74,7 +74,7 @@ def ratios(record: dict, name: str) -> tuple[float, float]:
     runs = {mode: figures[f"tfspeed_{mode}"]["rounds"][0] for mode in ("bucket", "pack")}
     assert runs["bucket"]["batching"]["attention_length"] == pytest.approx(k, rel=1e-6)
     assert not runs["bucket"]["xla"], "bucket's recorded cost is an uncompiled one"
-    cost = {mode: steady_cost(run["batching"], mode, k, run["xla"], task)
+    cost = {mode: steady_cost(run["batching"], mode, k, run["xla"])
             for mode, run in runs.items()}
     measured = median_rate(figures, "tfspeed_pack") / median_rate(figures, "tfspeed_bucket")
     return cost["bucket"] / cost["pack"], measured

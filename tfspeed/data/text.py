@@ -36,15 +36,18 @@ PAD_MARGIN = 0.05
 # costs about this many of the run's batches (the transformer on 2 cores: 2-4 s to compile
 # against 0.1-0.3 s a step), so a short run takes fewer buckets.
 COMPILE_BATCHES = 20.0
-# ... and once compiled, a step runs this much faster, by task: the steady rates of packed
-# rows with XLA against bucketed rows without it, given the work ``predicted_costs`` puts in
-# each (the transformer of benchmarks/sequences.py, 2 cores, the records of a quiet machine
-# from sequences-2026-11-27-auto.json on): the median of what each record implies, 1.10 to
-# 1.72 for classification (pystdlib, pydocs: pack's rate on short texts swings most), 1.72
-# to 1.74 for an lm (pydoc_lm: XLA fuses the softmax over the vocabulary every token pays).
-# It decides only between a compiled mode and one that is not (TensorFlow on a CPU compiles
-# packed rows alone); ``tests/data/test_cost_model.py`` holds it against those records.
-XLA_GAIN = {"classification": 1.17, "lm": 1.73}
+# ... and once compiled, a step runs faster, the more so the fewer tokens a replica's batch
+# holds: XLA fuses the step's many small ops, whose fixed cost small batches feel most. The
+# gain is ``XLA_GAIN * (1 + XLA_OVERHEAD_TOKENS / tokens)``: fitted on the steady rates of
+# packed rows with XLA against bucketed rows without it, given the work ``predicted_costs``
+# puts in each (the transformer of benchmarks/sequences.py, 2 cores, the records of a quiet
+# machine from sequences-2026-11-27-auto.json on): the median gain the records imply is
+# 1.18 at 8,192 tokens a batch (pystdlib; 1.10-1.24) and 1.71 at 1,536 (pydocs and
+# pydoc_lm; 1.16-1.74, pack's rate on short texts swings most). It decides only between a
+# compiled mode and one that is not (TensorFlow on a CPU compiles packed rows alone);
+# ``tests/data/test_cost_model.py`` holds it against those records.
+XLA_GAIN = 1.06
+XLA_OVERHEAD_TOKENS = 950.0
 MODES = ("pad", "bucket", "pack")
 
 
@@ -222,13 +225,15 @@ def pack_padding(counts: np.ndarray, max_length: int, max_segments: int,
 
 def predicted_costs(counts: np.ndarray, padding: dict, max_length: int,
                     attention_length: float | None, compiled=(),
-                    shape_cost: float = 0.0, task: str = "classification") -> dict[str, float]:
+                    shape_cost: float = 0.0,
+                    batch_tokens: float = float("inf")) -> dict[str, float]:
     """Compute per real token of each mode, in units of the per-token work: a row of width
     w costs each of its tokens ``1 + w / K`` (K = ``attention_length``: a token attends to
     all w positions of its row, the masked ones too), and padding costs as real tokens.
     A mode in ``compiled`` pays a compile per batch shape, each ``shape_cost`` of the run:
     one for packed rows, one per bucket, one per width for padded batches; its steps then
-    cost ``1 / XLA_GAIN[task]`` of an uncompiled one's."""
+    cost ``1 / xla_gain(batch_tokens)`` of an uncompiled one's (``batch_tokens``: a
+    replica's tokens per batch)."""
     k = attention_length or float("inf")
     real = float(np.dot(np.arange(len(counts)), counts)) or 1.0
 
@@ -242,7 +247,7 @@ def predicted_costs(counts: np.ndarray, padding: dict, max_length: int,
         lower = boundary
     shapes = {"pad": float(np.count_nonzero(counts)), "bucket": len(padding["boundaries"]),
               "pack": 1}
-    compile_ = {m: compiled_factor(shapes[m], shape_cost, task) if m in compiled else 1.0
+    compile_ = {m: compiled_factor(shapes[m], shape_cost, batch_tokens) if m in compiled else 1.0
                 for m in shapes}
     return {"pad": round(row_cost(padding["pad_width"], k, padding["pad"]) * compile_["pad"], 4),
             "bucket": round(bucketed / real * compile_["bucket"], 4),
@@ -255,10 +260,15 @@ def row_cost(width: int, attention_length: float, padding: float) -> float:
     return (1.0 + width / attention_length) / max(1 - padding, 1e-3)
 
 
-def compiled_factor(shapes: float, shape_cost: float, task: str) -> float:
+def xla_gain(batch_tokens: float) -> float:
+    """How much faster a compiled step runs, for batches of ``batch_tokens`` per replica."""
+    return XLA_GAIN * (1 + XLA_OVERHEAD_TOKENS / max(batch_tokens, 1.0))
+
+
+def compiled_factor(shapes: float, shape_cost: float, batch_tokens: float) -> float:
     """What compiling every batch shape does to a mode's cost: ``shapes`` compiles of
-    ``shape_cost`` of the run each, then steps ``XLA_GAIN[task]`` faster."""
-    return (1 + shapes * shape_cost) / XLA_GAIN[task]
+    ``shape_cost`` of the run each, then steps ``xla_gain(batch_tokens)`` faster."""
+    return (1 + shapes * shape_cost) / xla_gain(batch_tokens)
 
 
 def choose(costs: dict[str, float], takes_segments: bool) -> tuple[str, str]:
@@ -317,7 +327,7 @@ def resolve(config, schema, takes_segments: bool = False, replicas: int = 1,
     boundaries = _cover(padding["boundaries"], every, t, config.long)
     tokens = _tokens_per_batch(config, mean, t, boundaries, replicas)
     costs = predicted_costs(counts, padding, t, attention_length, compiled, shape_cost,
-                            schema.task)
+                            tokens / replicas)
     mode, reason = config.batching, f"--batching={config.batching}"
     if mode == "auto":
         mode, reason = choose(costs, takes_segments)
