@@ -1,6 +1,6 @@
 """Variable-length text: the TF guide's ways of batching it against tfspeed's bucket and pack.
 
-    python benchmarks/sequences.py [--items=0] [--rounds=3] [--epochs=1]
+    python benchmarks/sequences.py [--items=0] [--rounds=3] [--epochs=3]
         [--datasets=pystdlib,pydoc_lm,pydocs]
 
 Real text only, each set converted once by the real converter (``scripts/to_tfrecord.py
@@ -20,9 +20,10 @@ Real text only, each set converted once by the real converter (``scripts/to_tfre
             where packing into long rows pays attention over positions no segment uses.
 
 Contenders, each in a process of its own, all training the same transformer
-(``tfspeed.training.transformer.build_transformer``; width 64, depth 2, heads 4) for one
-pass over the same train split, in float32 (the comparison is of batching, not precision),
-with Adam at the same constant learning rate, then evaluated on the validation split:
+(``tfspeed.training.transformer.build_transformer``; width 64, depth 2, heads 4) for
+--epochs passes over the same train split, in float32 (the comparison is of batching, not
+precision), with Adam at the same constant learning rate, evaluated on the validation split
+after every pass:
 
   guide_padded_batch         TFRecordDataset -> parse -> shuffle -> padded_batch(B) (each
                              batch to its longest) -> stock ``compile``/``fit``;
@@ -44,9 +45,15 @@ labels of a batch). Their evaluation is exact: summed over the whole validation 
 divided (per sequence for accuracy, per real token for lm loss and perplexity).
 
 --rounds interleaved rounds, the contenders' order rotated each round. Per contender and
-round: real tokens/s of the training pass after its first step (and of the whole pass with
-the first step, which traces/compiles), the padding fraction, the eval metric, the process's
-wall seconds, compiled functions. The record keeps every round and the median with min-max.
+round: real tokens/s of training after its first step (and with the first step, which
+traces/compiles), evaluations left out, the padding fraction, the eval metric after each
+pass, the process's wall seconds, compiled functions. The record keeps every round and the
+median with min-max.
+
+Tokens/s alone would count fewer, larger updates as speed (a token budget puts many short
+texts in one batch). So the record also gives time-to-target: the training seconds each
+contender needs until an evaluation reaches what the best stock peer reaches after one pass
+(accuracy; lm: loss per real token), and the best peer's time over tfspeed's.
 """
 
 from __future__ import annotations
@@ -82,7 +89,8 @@ _DATASETS = flags.DEFINE_list("datasets", ["pystdlib", "pydoc_lm", "pydocs"],
                               "Datasets to run.")
 _CONTENDERS = flags.DEFINE_list("contenders", None, "Contenders to run (default: all).")
 _ROUNDS = flags.DEFINE_integer("rounds", 3, "Interleaved rounds over all contenders.")
-_EPOCHS = flags.DEFINE_integer("epochs", 1, "Passes over the train split, every contender's.")
+_EPOCHS = flags.DEFINE_integer("epochs", 3, "Passes over the train split, every contender's "
+                               "(evaluated after each: time-to-target).")
 _BATCH = flags.DEFINE_integer("batch_size", 32, "Sequences per update of the peers.")
 _TOKENS = flags.DEFINE_integer("tokens_per_batch", 0, "tfspeed's token budget; 0 = batch_size "
                                "x the split's mean length, rounded up to a multiple of max_length.")
@@ -238,14 +246,30 @@ def class_loss(label, logits):
 
 
 class StepClock(keras.callbacks.Callback):
-    """When each training step ends (``fit`` syncs on its logs each step), and how many
-    times the train step was traced meanwhile."""
+    """When each training step ends (``fit`` syncs on its logs each step), how many times
+    the train step was traced meanwhile, and after each pass ``evaluate(model)``: its
+    metrics and the training seconds before it (evaluations left out) in ``history``, its
+    own seconds in ``eval_seconds``."""
+
+    def __init__(self, evaluate=None):
+        super().__init__()
+        self.evaluate = evaluate
 
     def on_train_begin(self, logs=None):
         self.begin, self.ends, self.traces_before = time.perf_counter(), [], TRACES[0]
+        self.history, self.eval_seconds = [], []
 
     def on_train_batch_end(self, batch, logs=None):
         self.ends.append(time.perf_counter())
+
+    def on_epoch_end(self, epoch, logs=None):
+        if self.evaluate is None:
+            return
+        start = time.perf_counter()
+        metrics = self.evaluate(self.model)
+        self.history.append({"epoch": epoch + 1, **metrics, "train_seconds": (
+            start - self.begin - sum(self.eval_seconds))})
+        self.eval_seconds.append(time.perf_counter() - start)
 
     def on_train_end(self, logs=None):
         self.traces = TRACES[0] - self.traces_before
@@ -333,22 +357,26 @@ def run_peer(contender: str, data_dir: str, facts: dict) -> dict:
 
     real, computed, shapes = batch_tokens(train_ds())
     model = peer_model(facts, lm, jit_compile=contender == "fixed_max_length" or "auto")
-    clock = StepClock()
+    clock = StepClock(lambda trained: exact_eval(trained, data_dir, lm))
     epochs = _EPOCHS.value
     model.fit(train_ds(), epochs=epochs, verbose=0, callbacks=[clock])
     # Each pass holds every sequence once (no peer drops a remainder), whatever its order.
     if abs(len(clock.ends) - epochs * len(real)) > epochs * len(GUIDE_BOUNDARIES):
         raise SystemExit(f"{contender}: {len(clock.ends)} steps, {len(real)} batches a pass")
-    steady = clock.ends[-1] - clock.ends[0]
+    evaluating = sum(clock.eval_seconds[:-1])  # the last pass's comes after its last step
+    steady = clock.ends[-1] - clock.ends[0] - evaluating
     trained = epochs * sum(real)
     return {"real_tokens_per_sec": (trained - real[0]) / steady if steady > 0 else None,
-            "real_tokens_per_sec_with_first_step": trained / (clock.ends[-1] - clock.begin),
+            "real_tokens_per_sec_with_first_step": trained / (
+                clock.ends[-1] - clock.begin - evaluating),
             "train_seconds": steady, "first_step_seconds": clock.ends[0] - clock.begin,
             "padding_fraction": 1 - sum(real) / sum(computed), "steps": len(clock.ends),
             "real_tokens": trained, "computed_tokens": epochs * sum(computed),
             "compiled_functions": clock.traces,  # traces of Keras' train step
             "distinct_input_shapes": len(shapes),
-            "eval_metrics": exact_eval(model, data_dir, lm), "pid": os.getpid(),
+            "eval_metrics": {k: v for k, v in clock.history[-1].items()
+                             if k not in ("epoch", "train_seconds")},
+            "eval_history": clock.history, "pid": os.getpid(),
             "xla": contender == "fixed_max_length",
             "tf_version": tf.__version__}
 
@@ -363,7 +391,8 @@ def tfspeed_command(mode: str, data_dir: str, model_dir: str, facts: dict) -> li
             f"--tokens_per_batch={token_budget(facts, mode)}", f"--max_length={_MAX_LENGTH.value}",
             f"--batch_size={_BATCH.value}",  # the peers' sequences per batch (pad mode's B)
             f"--width={_WIDTH.value}", f"--depth={_DEPTH.value}", f"--heads={_HEADS.value}",
-            f"--epochs={_EPOCHS.value}", "--precision=float32", "--optimizer=adam",
+            f"--epochs={_EPOCHS.value}", "--eval_every_epochs=1",  # as the peers: each pass
+            "--precision=float32", "--optimizer=adam",
             f"--learning_rate={_LR.value}", "--lr_schedule=constant", "--warmup_steps=0"]
 
 
@@ -382,7 +411,8 @@ def run_tfspeed(contender: str, data_dir: str, facts: dict) -> dict:
         report = json.load(f)
     keys = ("padding_fraction", "compiled_functions", "eval_metrics", "optimizer_updates",
             "too_few_steps", "steps_measured", "steps_excluded", "seconds_measured",
-            "real_tokens_measured", "sequences_per_sec", "seconds", "steps_per_execution")
+            "real_tokens_measured", "sequences_per_sec", "seconds", "steps_per_execution",
+            "eval_history")
     result = {k: _find(report, k) for k in keys}
     # As the peers': the real tokens of the steps after the first call (one step, which
     # traced) over their time. The driver's own figure is a median over its log windows.
@@ -448,16 +478,68 @@ FIGURES = ("real_tokens_per_sec", "real_tokens_per_sec_with_first_step", "first_
            "padding_fraction", "wall_seconds", "compiled_functions")
 
 
-def summarise(rounds: list[dict], lm: bool) -> dict:
-    """Every round, and the median with min-max of each figure over the comparable rounds
-    (not failed, and a whole pass trained)."""
-    usable = [r for r in rounds if "failed" not in r and "warning" not in r]
+def usable(rounds: list[dict]) -> list[dict]:
+    """The comparable rounds: not failed, and the passes asked for trained."""
+    return [r for r in rounds if "failed" not in r and "warning" not in r]
+
+
+def target_metric(lm: bool) -> tuple[str, int]:
+    """The metric time-to-target follows, and its sense (+1: higher is better)."""
+    return ("loss", -1) if lm else ("accuracy", +1)
+
+
+def accuracy_target(per: dict, lm: bool) -> dict | None:
+    """What the best stock peer reaches after its first pass (the median of its rounds):
+    accuracy for classification, loss per real token for lm. Every contender's
+    time-to-target is the training time it needs to reach that."""
+    metric, sense = target_metric(lm)
+    firsts = {}
+    for peer in PEERS:
+        values = [r["eval_history"][0][metric] for r in usable(per.get(peer, []))
+                  if r.get("eval_history")]
+        if values:
+            firsts[peer] = statistics.median(values)
+    if not firsts:
+        return None
+    peer = max(firsts, key=lambda c: sense * firsts[c])
+    return {"metric": metric, "value": firsts[peer], "set_by": f"{peer} after one pass"}
+
+
+def seconds_to(target: dict, history: list[dict]) -> float:
+    """Training seconds (evaluations left out; the first step's trace and compile in) to the
+    first evaluation that reaches ``target``; inf where none does."""
+    sense = +1 if target["metric"] != "loss" else -1
+    for entry in history or []:
+        if sense * (entry[target["metric"]] - target["value"]) >= -1e-12:
+            return entry["train_seconds"]
+    return math.inf
+
+
+def summarise(rounds: list[dict], lm: bool, target: dict | None = None) -> dict:
+    """Every round, and the median with min-max of each figure over the comparable rounds;
+    the metric after each pass; with a ``target``, time-to-target (rounds that never reach
+    it count as infinitely slow: a median that is inf reads None, ``reached`` says how many
+    did)."""
+    kept = usable(rounds)
     out = {"rounds": rounds, "failed_rounds": sum("failed" in r for r in rounds),
-           "rounds_left_out": len(rounds) - len(usable)}
+           "rounds_left_out": len(rounds) - len(kept)}
     for figure in FIGURES:
-        out[figure] = summary([r.get(figure) for r in usable])
+        out[figure] = summary([r.get(figure) for r in kept])
     for metric in ("loss", "perplexity") if lm else ("accuracy", "loss"):
-        out[f"eval_{metric}"] = summary([eval_metric(r, metric) for r in usable])
+        out[f"eval_{metric}"] = summary([eval_metric(r, metric) for r in kept])
+    metric, _ = target_metric(lm)
+    passes = max((len(r.get("eval_history") or []) for r in kept), default=0)
+    out[f"eval_{metric}_by_pass"] = [summary([r["eval_history"][i][metric] for r in kept
+                                              if len(r.get("eval_history") or []) > i])
+                                     for i in range(passes)]
+    if target and kept:
+        seconds = [seconds_to(target, r.get("eval_history")) for r in kept]
+        median = statistics.median(seconds)
+        finite = [t for t in seconds if math.isfinite(t)]
+        out["seconds_to_target"] = {
+            "median": median if math.isfinite(median) else None,
+            "min": min(finite, default=None), "max": max(finite) if len(finite) == len(
+                seconds) else None, "reached": len(finite), "rounds": len(seconds)}
     return out
 
 
@@ -480,6 +562,20 @@ def ratios_of(figures: dict) -> dict:
         if ours and median.get("tfspeed_auto"):  # auto against the faster of its choices
             ratios[f"tfspeed_auto/faster_of_bucket_and_pack{suffix}"] = (
                 median["tfspeed_auto"] / max(ours))
+    # Time-to-target: the best peer's seconds over the best tfspeed mode's (> 1: tfspeed
+    # reaches the peer's one-pass figure sooner), None where a median never reached it.
+    seconds = {c: (f.get("seconds_to_target") or {}).get("median") for c, f in figures.items()}
+    peers = [seconds[c] for c in PEERS if c in seconds]
+    ours = [seconds[c] for c in ("tfspeed_bucket", "tfspeed_pack") if c in seconds]
+    if peers and ours:
+        best = min((t for t in peers if t), default=None)
+        mine = min((t for t in ours if t), default=None)
+        ratios["time_to_target: best_peer/best_tfspeed"] = (best / mine if best and mine
+                                                            else None)
+        if "tfspeed_auto" in seconds:
+            auto = seconds["tfspeed_auto"]
+            ratios["time_to_target: best_peer/tfspeed_auto"] = (best / auto if best and auto
+                                                                else None)
     return ratios
 
 
@@ -528,7 +624,9 @@ def main(argv):
 
 def make_record(datasets: dict, contenders: list[str], results: dict, complete: bool) -> dict:
     """The record of the rounds run so far (``complete`` once every round has run)."""
-    figures = {name: {c: summarise(rounds, datasets[name][1]["task"] == "lm")
+    lm = {name: facts["task"] == "lm" for name, (_, facts) in datasets.items()}
+    targets = {name: accuracy_target(per, lm[name]) for name, per in results.items()}
+    figures = {name: {c: summarise(rounds, lm[name], targets[name])
                       for c, rounds in per.items()} for name, per in results.items()}
     ratios = {name: ratios_of(per) for name, per in figures.items()}
     config = {
@@ -548,6 +646,13 @@ def make_record(datasets: dict, contenders: list[str], results: dict, complete: 
         "precision": "float32 for every contender (the comparison is of batching)",
         "optimizer": f"adam, constant learning rate {_LR.value}", "passes": _EPOCHS.value,
         "guide_boundaries": list(GUIDE_BOUNDARIES),
+        "targets": targets,
+        "time_to_target": "training seconds (evaluations left out; the first step's trace and "
+                          "compile in) until the first evaluation after a pass reaches the "
+                          "target: what the best stock peer reaches after one pass (accuracy, "
+                          "or lm loss per real token). tfspeed's token batches make fewer, "
+                          "larger updates per pass than B sequences do; this counts what that "
+                          "costs in accuracy, which tokens/s alone does not",
         "timing": "real_tokens_per_sec: real (non-padding) tokens trained on after the first "
                   "step / the time after it (tfspeed: its driver's first call is that one "
                   "step; the rest is in its report's measured windows); *_with_first_step "

@@ -166,6 +166,7 @@ def test_python_api_with_any_dataset_mirrored_accumulated(tmp_path):
     validation = tf.data.Dataset.from_tensor_slices((x[:40], y[:40])).batch(16)  # uneven
 
     def make():
+        keras.utils.set_random_seed(5)
         return keras.Sequential([keras.Input((6,)), keras.layers.Dense(16, activation="relu"),
                                  keras.layers.Dense(2)])
 
@@ -175,15 +176,29 @@ def test_python_api_with_any_dataset_mirrored_accumulated(tmp_path):
         def on_epoch_end(self, epoch, logs=None):
             seen.append((epoch, sorted(logs)))
 
-    report = tfspeed.fit(make, train, validation, epochs=4, strategy="mirrored",
-                         cpu_replicas=2, grad_accum_steps=2, steps_per_execution=3,
-                         precision="float32", learning_rate=0.05, model_dir=str(tmp_path),
-                         callbacks=[Epochs()], log_every=3)
+    # Calls of 4 micro-steps, epochs of 6: evaluating after every epoch cuts the calls there.
+    settings = dict(epochs=4, strategy="mirrored", cpu_replicas=2, grad_accum_steps=2,
+                    steps_per_execution=4, precision="float32", learning_rate=0.05, log_every=3)
+    report = tfspeed.fit(make, train, validation, **settings, model_dir=str(tmp_path),
+                         callbacks=[Epochs()], eval_every_epochs=1)
     assert report["optimizer_updates"] == 4 * 6 // 2 and report["micro_steps"] == 24
     assert report["runtime"]["num_replicas"] == 2
     assert [epoch for epoch, _ in seen] == [0, 1, 2, 3]
-    assert seen[0][1] == ["accuracy", "loss"]
+    assert seen[0][1] == ["accuracy", "loss", "val_accuracy", "val_loss"]
+    assert seen[3][1] == ["accuracy", "loss"]  # the last epoch's evaluation is the final one
     assert report["history"] and report["history"][-1]["micro_step"] == 24
+    evals = report["eval_history"]
+    assert [(e["epoch"], e["update"], e["micro_step"]) for e in evals] == [
+        (1, 3, 6), (2, 6, 12), (3, 9, 18), (4, 12, 24)]
+    assert evals[-1]["accuracy"] == report["eval_metrics"]["accuracy"]
+    seconds = [e["train_seconds"] for e in evals]
+    assert 0 < seconds[0] < seconds[1] < seconds[2] < seconds[3]
+    assert report["seconds"]["evaluate"] == pytest.approx(sum(e["seconds"] for e in evals))
+    # Evaluating along the way changes nothing in training: the same weights without it.
+    plain = tfspeed.fit(make, train, **settings, model_dir=str(tmp_path / "plain"))
+    assert plain["eval_history"] == []
+    for a, b in zip(report["model"].weights, plain["model"].weights, strict=True):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-6, atol=1e-7)
     # Evaluation on the 40 uneven records equals evaluating the returned model directly.
     model = report["model"]
     logits = model(x[:40]).numpy()

@@ -236,6 +236,10 @@ class TrainConfig:
         60.0, "With --checkpoint_every=auto: seconds of training between checkpoints.")
     keep_checkpoints: int = option(3, "Recent checkpoints kept.")
     eval_steps: int = option(0, "Cap on evaluation batches; 0: the whole split.")
+    eval_every_epochs: int = option(
+        0, "Also evaluate after every N passes over the train split (0: only at the end); each "
+           "evaluation goes to report.json's eval_history and TensorBoard, its time left out "
+           "of the throughput.")
     log_every: int = option(50, "Micro-steps between logged loss and throughput (each log "
                                 "syncs with the device).")
     profile_steps: tuple[int, ...] = option(
@@ -250,6 +254,7 @@ class TrainConfig:
         _positive("epochs", self.epochs)
         _non_negative("train_steps", self.train_steps)
         _non_negative("eval_steps", self.eval_steps)
+        _non_negative("eval_every_epochs", self.eval_every_epochs)
         _count_or_auto("steps_per_execution", self.steps_per_execution, minimum=1)
         _positive("grad_accum_steps", self.grad_accum_steps)
         _non_negative("warmup_steps", self.warmup_steps)

@@ -27,7 +27,7 @@ def fit(model, train, validation=None, *, epochs: int | None = None,
         xla: str | None = None, grad_accum_steps: int | None = None,
         steps_per_execution: int | str | None = None, model_dir: str | None = None,
         checkpoint_every: int | None = None, log_every: int | None = None,
-        callbacks: Sequence = ()) -> dict:
+        eval_every_epochs: int | None = None, callbacks: Sequence = ()) -> dict:
     """Trains ``model`` on ``train`` with tfspeed's engine; evaluates on ``validation``.
 
     Every keyword left out takes the default of ``tfspeed.config`` (the dataclasses the
@@ -45,7 +45,8 @@ def fit(model, train, validation=None, *, epochs: int | None = None,
         segment ids and positions, ``y`` the dict of label and weight) train with a loss per
         sequence, or per real token with ``task="lm"``, exact whatever the padding. Its batch size is the global batch of one micro-step; a last partial batch
         is dropped, and epochs follow one another without a short batch.
-      validation: a dataset of ``(x, y)`` batches, evaluated once at the end.
+      validation: a dataset of ``(x, y)`` batches, evaluated at the end (and every
+        ``eval_every_epochs`` passes).
       epochs / steps: passes over ``train``, or optimizer updates (at most one of the two).
       loss: a Keras loss name, ``package.module:function`` or a function returning one loss
         per example; None: by task (sparse categorical cross-entropy, or mse).
@@ -64,12 +65,16 @@ def fit(model, train, validation=None, *, epochs: int | None = None,
         ``report.json``; None: a new temporary directory.
       checkpoint_every: updates between checkpoints (0: at the end).
       log_every: micro-steps between logged metrics.
+      eval_every_epochs: also evaluate ``validation`` after every N passes over ``train``
+        (0: at the end only): the report's ``eval_history``, TensorBoard, and ``val_*`` in
+        the callbacks' ``on_epoch_end`` logs.
       callbacks: ``keras.callbacks.Callback``s: ``on_train_begin``, ``on_epoch_end(epoch,
         logs)`` with the training metrics, ``on_train_end`` with ``val_*`` added.
 
     Returns:
       The report (also written to ``model_dir/report.json``, less the model): ``history``
-      (every log point), ``train_metrics``, ``eval_metrics``, throughput,
+      (every log point), ``train_metrics``, ``eval_metrics``, ``eval_history`` (every
+      evaluation, with the training seconds before it), throughput,
       ``optimizer_updates``, the resolved ``config``, the runtime and objectives chosen and
       why, the files ``saved``, the ``model_dir``, and the trained ``model``.
     """
@@ -85,7 +90,8 @@ def fit(model, train, validation=None, *, epochs: int | None = None,
     config = fit_config(epochs=epochs, train_steps=steps, learning_rate=learning_rate,
                         optimizer=optimizer, steps_per_execution=steps_per_execution,
                         grad_accum_steps=grad_accum_steps, checkpoint_every=checkpoint_every,
-                        log_every=log_every, strategy=strategy, cpu_replicas=cpu_replicas,
+                        log_every=log_every, eval_every_epochs=eval_every_epochs,
+                        strategy=strategy, cpu_replicas=cpu_replicas,
                         precision=precision, xla=xla, model_dir=model_dir)
     os.makedirs(config.model_dir, exist_ok=True)
     with locked_model_dir(config.model_dir, "model_dir"):

@@ -61,6 +61,7 @@ def _train_and_report(job: Job) -> dict:
         "eval_accuracy": result.eval_metrics.get("accuracy"),
         "eval_loss": result.eval_metrics.get("loss"),
         "eval_metrics": result.eval_metrics,
+        "eval_history": result.eval_history,
         **result.throughput,
         "optimizer_updates": result.optimizer_updates,
         "micro_steps": result.micro_steps,

@@ -64,6 +64,10 @@ class FitResult:
       train_metrics: the last logged training loss and metrics.
       eval_metrics: final evaluation loss and metrics (empty without an eval split).
       history: every log point: update, micro-step, loss, metrics, examples/s.
+      eval_history: every evaluation (``--eval_every_epochs``, and the last at the end):
+        epoch (passes trained, may be fractional), update, micro-step, its metrics,
+        ``train_seconds`` (training before it, evaluations left out) and ``seconds`` (its
+        own).
       throughput: median examples/s and step time from the meter.
       optimizer_updates: optimizer iterations at the end (updates, not micro-batches).
       micro_steps: micro-batches trained on, this run and any resumed one.
@@ -72,7 +76,8 @@ class FitResult:
       steps_per_execution: the value used (tuned when ``auto``), with the tuner's table.
       learning_rate: the peak learning rate after batch scaling.
       profile: the profiler summary (empty without ``profile_steps``).
-      seconds: wall time per phase.
+      seconds: wall time per phase: ``fit`` the training loop less the evaluations
+        during it, ``evaluate`` every evaluation.
       compiled_functions: traces of the engine's training step (one per input signature:
         with static bucket shapes, at most one per bucket).
     """
@@ -90,6 +95,7 @@ class FitResult:
     profile: dict
     seconds: dict
     compiled_functions: int = 0
+    eval_history: list = dataclasses.field(default_factory=list)
 
 
 def make_engine(model: keras.Model, objectives, config: TrainConfig, runtime: Runtime,
@@ -227,8 +233,9 @@ def _fit(engine, train_data, eval_data, config, runtime, steps_per_epoch, eval_s
                         "new model_dir to train again)", model_dir, resumed, total_updates)
     elif resumed and not checkpoints.restores_position:
         _fast_forward(iterator, int(engine.micro_steps) % steps_per_epoch)
+    evaluate = (lambda: engine.evaluate(eval_data, eval_steps)) if eval_data is not None else None
     loop = _Loop(engine, config, global_batch_size, write_dir, total_updates * k, steps_per_epoch,
-                 agree=runtime.mean_over_workers, callbacks=callbacks)
+                 agree=runtime.mean_over_workers, callbacks=callbacks, evaluate=evaluate)
     for callback in callbacks:
         callback.set_model(engine.model)
         callback.on_train_begin()
@@ -238,14 +245,13 @@ def _fit(engine, train_data, eval_data, config, runtime, steps_per_epoch, eval_s
     # job resumes from the last periodic checkpoint (python -m tfspeed.launch restarts it).
     with _StopRequests(enabled=not multi_worker) as stop:
         loop.run(iterator, checkpoints, stop)
-    fit_seconds = time.perf_counter() - start
+    fit_seconds = time.perf_counter() - start - loop.eval_seconds
     checkpoints.save(final=True)
     engine.sync_model()  # on JAX the model's variables learn the trained values here
     if stop.signum:
         raise Stopped(stop.signum, int(engine.updates))
-    start = time.perf_counter()
-    eval_metrics = engine.evaluate(eval_data, eval_steps) if eval_data is not None else {}
-    loop.log_eval(eval_metrics)
+    eval_metrics = loop.evaluate_now(int(engine.micro_steps), fit_seconds) if evaluate else {}
+    loop.flush()
     for callback in callbacks:
         callback.on_train_end({**loop.last_metrics,
                                **{f"val_{name}": v for name, v in eval_metrics.items()}})
@@ -261,8 +267,9 @@ def _fit(engine, train_data, eval_data, config, runtime, steps_per_epoch, eval_s
         steps_per_execution=loop.tuning,
         learning_rate=peak_learning_rate(config, global_batch_size),
         profile=loop.profile.summary if loop.profile else {},
-        seconds={"fit": fit_seconds, "evaluate": time.perf_counter() - start},
+        seconds={"fit": fit_seconds, "evaluate": loop.eval_seconds},
         compiled_functions=engine.compiled_functions,
+        eval_history=loop.eval_history,
     )
 
 
@@ -309,8 +316,14 @@ class _Loop:
 
     def __init__(self, engine: Engine, config: TrainConfig, global_batch_size: int,
                  model_dir: str, total_micro: int, steps_per_epoch: int,
-                 agree=lambda value: value, callbacks=()):
+                 agree=lambda value: value, callbacks=(), evaluate=None):
         self.engine, self.config, self.total_micro = engine, config, total_micro
+        self.evaluate = evaluate  # () -> metrics over the eval split, or None
+        # Micro-steps between evaluations during the run (0: only the one at the end).
+        self.eval_every = config.eval_every_epochs * steps_per_epoch if evaluate else 0
+        self.eval_history: list[dict] = []
+        self.eval_seconds = 0.0
+        self._started = time.perf_counter()
         self.steps_per_epoch = steps_per_epoch
         self.callbacks = list(callbacks)
         self.agree = agree  # makes timing-based choices identical on every worker
@@ -333,6 +346,9 @@ class _Loop:
     def run(self, iterator, checkpoints, stop) -> None:
         done = int(self.engine.micro_steps)  # > 0 after a resume
         self._logged = done
+        self._started = time.perf_counter()
+        # A resumed run does not repeat the evaluations its first attempt made.
+        self._evaluated = done // self.eval_every if self.eval_every else 0
         spe = self.config.steps_per_execution
         if is_auto(spe) and done < self.total_micro and self.profile and (
                 self.profile.first <= done + autotune.PROBE_SHARE * (self.total_micro - done)):
@@ -371,6 +387,8 @@ class _Loop:
             profiled = bool(self.profile) and self.profile.covers(done)
             if self.profile:
                 n = self.profile.limit(done, n)
+            if self.eval_every:  # a call ends where an evaluation falls
+                n = min(n, (done // self.eval_every + 1) * self.eval_every - done)
             # A call that compiles (the first; on JAX also a new number of steps) is warm-up.
             warm_up = profiled or not self._warm or not self.engine.is_warm(n)
             if warm_up:
@@ -389,9 +407,36 @@ class _Loop:
                 if done < self.total_micro:  # the end saves anyway
                     checkpoints.maybe_save_in_time(done // self.k, self.agree)
             checkpoints.maybe_save(done // self.k)
+            evaluated = {}
+            if self.eval_every and done // self.eval_every > self._evaluated and (
+                    done < self.total_micro):  # the end evaluates anyway
+                self._evaluated = done // self.eval_every
+                self._close_measured(out, done)
+                evaluated = self.evaluate_now(done)
+                self.meter.restart()  # the evaluation is in no window
+                self._measured_from, self._waited = done, 0.0
             if self.callbacks and done // self.steps_per_epoch > (done - n) // self.steps_per_epoch:
-                self._epoch_end(out, done)
+                self._epoch_end(out, done, evaluated)
         return done
+
+    def evaluate_now(self, done: int, train_seconds: float | None = None) -> dict:
+        """Evaluates on the eval split after ``done`` micro-steps: TensorBoard and
+        ``eval_history``; its time goes to ``eval_seconds``, not to training's."""
+        start = time.perf_counter()
+        if train_seconds is None:
+            train_seconds = start - self._started - self.eval_seconds
+        metrics = self.evaluate()
+        seconds = time.perf_counter() - start
+        self.eval_seconds += seconds
+        self.log_eval(metrics, done)
+        self.eval_history.append({
+            "epoch": round(done / self.steps_per_epoch, 4), "update": done // self.k,
+            "micro_step": done, **metrics, "train_seconds": train_seconds, "seconds": seconds})
+        if self.eval_every and done < self.total_micro:
+            logging.info("evaluation at update %d (epoch %.4g): %s", done // self.k,
+                         done / self.steps_per_epoch,
+                         " ".join(f"{name}={value:.4f}" for name, value in metrics.items()))
+        return metrics
 
     def _call(self, iterator, done: int, n: int, profiled: bool) -> dict:
         if profiled:
@@ -455,20 +500,24 @@ class _Loop:
             logging.info("update %d/%d (micro-step %d): %s %s", updates,
                          self.total_micro // self.k, done, shown, rate)
 
-    def _epoch_end(self, out, done: int) -> None:
+    def _epoch_end(self, out, done: int, evaluated: dict) -> None:
         """Keras callbacks hear of each epoch the last execution finished (one host sync),
-        with the model's variables holding the trained values."""
+        with the model's variables holding the trained values, and ``val_*`` where an
+        evaluation fell there."""
         self.engine.sync_model()
         logs = {name: float(out[name]) for name in ("loss", *self.engine.metric_names)}
+        logs.update({f"val_{name}": value for name, value in evaluated.items()})
         for callback in self.callbacks:
             callback.on_epoch_end(done // self.steps_per_epoch - 1, logs)
 
-    def log_eval(self, metrics: dict) -> None:
+    def log_eval(self, metrics: dict, done: int) -> None:
         if metrics:
-            with self.eval_writer.as_default(step=int(self.engine.micro_steps)):
+            with self.eval_writer.as_default(step=done):
                 for name, value in metrics.items():
                     tf.summary.scalar(name, value)
             self.eval_writer.flush()
+
+    def flush(self) -> None:
         if self.meter.writer:
             self.meter.writer.flush()
 
