@@ -129,12 +129,16 @@ class Engine:
             self._nonfinite_loss = tf.Variable(0.0, trainable=False, aggregation=_ONLY_FIRST)
         if options.loss_scale is False and model.dtype_policy.name == "mixed_float16":
             logging.warning("mixed_float16 without loss scaling: small gradients will underflow")
-        jit = tf.function(jit_compile=True) if options.xla else (lambda f: f)
+        # No autograph anywhere in the step: its Python branches are on Python values, and
+        # converting each function the step calls made the first call (the trace) take 6.7 s
+        # against 3.9 s without (pydocs' transformer, 2 cores, 3 runs each; Keras' own
+        # functions are never converted either).
+        jit = tf.function(jit_compile=True, autograph=False) if options.xla else (lambda f: f)
         self._forward_backward = jit(self._replica_forward_backward)
         self._forward = jit(self._replica_forward)
-        self._train_fn = tf.function(self._train_execution)
-        self._train_one_fn = tf.function(self._train_one)
-        self._eval_fn = tf.function(self._eval_step, reduce_retracing=True)
+        self._train_fn = tf.function(self._train_execution, autograph=False)
+        self._train_one_fn = tf.function(self._train_one, autograph=False)
+        self._eval_fn = tf.function(self._eval_step, reduce_retracing=True, autograph=False)
 
     # ---------------------------------------------------------------- public API
     def train(self, iterator: Iterable, steps: int | None = None) -> dict[str, tf.Tensor]:
@@ -367,9 +371,13 @@ class Engine:
         totals = tf.zeros([len(self._metrics) + 2])  # loss, metric sums, count
         tokens = tf.zeros([3], tf.int64)  # real, computed, sequences
         waited = tf.constant(0.0, tf.float64)
-        for _ in tf.range(steps):
+
+        def body(i, totals, tokens, waited):
             metrics, counts, wait = self._timed_micro_step(iterator)
-            totals, tokens, waited = totals + metrics, tokens + counts, waited + wait
+            return i + 1, totals + metrics, tokens + counts, waited + wait
+
+        _, totals, tokens, waited = tf.while_loop(
+            lambda i, *_: i < steps, body, (tf.constant(0, steps.dtype), totals, tokens, waited))
         return self._outputs(totals, tokens, waited, steps)
 
     def _train_one(self, iterator):

@@ -115,7 +115,7 @@ class ThroughputMeter:
                     for i, name in enumerate(names):
                         tf.summary.scalar(name, vector[i])
 
-            write = tf.function(scalars).get_concrete_function(
+            write = tf.function(scalars, autograph=False).get_concrete_function(
                 tf.TensorSpec([len(names)], tf.float32), tf.TensorSpec([], tf.int64))
             self._writes[names] = write
         write(tf.constant([float(values[name]) for name in names]), tf.constant(step, tf.int64))
