@@ -412,13 +412,19 @@ def run_tfspeed(contender: str, data_dir: str, facts: dict) -> dict:
     keys = ("padding_fraction", "compiled_functions", "eval_metrics", "optimizer_updates",
             "too_few_steps", "steps_measured", "steps_excluded", "seconds_measured",
             "real_tokens_measured", "sequences_per_sec", "seconds", "steps_per_execution",
-            "eval_history")
+            "eval_history", "seconds_excluded", "real_tokens")
     result = {k: _find(report, k) for k in keys}
     # As the peers': the real tokens of the steps after the first call (one step, which
     # traced) over their time. The driver's own figure is a median over its log windows.
     result["driver_real_tokens_per_sec"] = _find(report, "real_tokens_per_sec")
     if result["seconds_measured"] and result["real_tokens_measured"]:
         result["real_tokens_per_sec"] = result["real_tokens_measured"] / result["seconds_measured"]
+    # As the peers' first step: the driver's warm-up call (it traces; pack's also compiles),
+    # and every step with it over the training loop's time, evaluations left out.
+    result["first_step_seconds"] = result["seconds_excluded"]
+    if result["real_tokens"] and (result["seconds"] or {}).get("fit"):
+        result["real_tokens_per_sec_with_first_step"] = (result["real_tokens"]
+                                                         / result["seconds"]["fit"])
     # About one pass's worth of updates (T holds ~B sequences' tokens), else not comparable:
     # the driver counts a pass as train records // --batch_size updates.
     expected = _EPOCHS.value * facts["train_tokens"] / token_budget(facts, TFSPEED[contender])
@@ -483,38 +489,6 @@ def usable(rounds: list[dict]) -> list[dict]:
     return [r for r in rounds if "failed" not in r and "warning" not in r]
 
 
-def target_metric(lm: bool) -> tuple[str, int]:
-    """The metric time-to-target follows, and its sense (+1: higher is better)."""
-    return ("loss", -1) if lm else ("accuracy", +1)
-
-
-def accuracy_target(per: dict, lm: bool) -> dict | None:
-    """What the best stock peer reaches after its first pass (the median of its rounds):
-    accuracy for classification, loss per real token for lm. Every contender's
-    time-to-target is the training time it needs to reach that."""
-    metric, sense = target_metric(lm)
-    firsts = {}
-    for peer in PEERS:
-        values = [r["eval_history"][0][metric] for r in usable(per.get(peer, []))
-                  if r.get("eval_history")]
-        if values:
-            firsts[peer] = statistics.median(values)
-    if not firsts:
-        return None
-    peer = max(firsts, key=lambda c: sense * firsts[c])
-    return {"metric": metric, "value": firsts[peer], "set_by": f"{peer} after one pass"}
-
-
-def seconds_to(target: dict, history: list[dict]) -> float:
-    """Training seconds (evaluations left out; the first step's trace and compile in) to the
-    first evaluation that reaches ``target``; inf where none does."""
-    sense = +1 if target["metric"] != "loss" else -1
-    for entry in history or []:
-        if sense * (entry[target["metric"]] - target["value"]) >= -1e-12:
-            return entry["train_seconds"]
-    return math.inf
-
-
 def summarise(rounds: list[dict], lm: bool, target: dict | None = None) -> dict:
     """Every round, and the median with min-max of each figure over the comparable rounds;
     the metric after each pass; with a ``target``, time-to-target (rounds that never reach
@@ -527,19 +501,14 @@ def summarise(rounds: list[dict], lm: bool, target: dict | None = None) -> dict:
         out[figure] = summary([r.get(figure) for r in kept])
     for metric in ("loss", "perplexity") if lm else ("accuracy", "loss"):
         out[f"eval_{metric}"] = summary([eval_metric(r, metric) for r in kept])
-    metric, _ = target_metric(lm)
+    metric = "loss" if lm else "accuracy"
     passes = max((len(r.get("eval_history") or []) for r in kept), default=0)
     out[f"eval_{metric}_by_pass"] = [summary([r["eval_history"][i][metric] for r in kept
                                               if len(r.get("eval_history") or []) > i])
                                      for i in range(passes)]
     if target and kept:
-        seconds = [seconds_to(target, r.get("eval_history")) for r in kept]
-        median = statistics.median(seconds)
-        finite = [t for t in seconds if math.isfinite(t)]
-        out["seconds_to_target"] = {
-            "median": median if math.isfinite(median) else None,
-            "min": min(finite, default=None), "max": max(finite) if len(finite) == len(
-                seconds) else None, "reached": len(finite), "rounds": len(seconds)}
+        out["seconds_to_target"] = bench.seconds_to_target(
+            target, [r.get("eval_history") for r in kept])
     return out
 
 
@@ -625,7 +594,9 @@ def main(argv):
 def make_record(datasets: dict, contenders: list[str], results: dict, complete: bool) -> dict:
     """The record of the rounds run so far (``complete`` once every round has run)."""
     lm = {name: facts["task"] == "lm" for name, (_, facts) in datasets.items()}
-    targets = {name: accuracy_target(per, lm[name]) for name, per in results.items()}
+    targets = {name: bench.accuracy_target({c: usable(per.get(c, [])) for c in PEERS},
+                                           "loss" if lm[name] else "accuracy")
+               for name, per in results.items()}
     figures = {name: {c: summarise(rounds, lm[name], targets[name])
                       for c, rounds in per.items()} for name, per in results.items()}
     ratios = {name: ratios_of(per) for name, per in figures.items()}
@@ -655,9 +626,10 @@ def make_record(datasets: dict, contenders: list[str], results: dict, complete: 
                           "costs in accuracy, which tokens/s alone does not",
         "timing": "real_tokens_per_sec: real (non-padding) tokens trained on after the first "
                   "step / the time after it (tfspeed: its driver's first call is that one "
-                  "step; the rest is in its report's measured windows); *_with_first_step "
-                  "(peers): the whole pass with the first step's trace; wall_seconds: the "
-                  "whole process (start-up, eval included)",
+                  "step; the rest is in its report's measured windows); *_with_first_step: "
+                  "every pass with the first step's trace (tfspeed: its warm-up call, "
+                  "pack's XLA compile included; the loop's time), evaluations left out; "
+                  "wall_seconds: the whole process (start-up, evaluations included)",
         "tfspeed_command": " ".join(tfspeed_command("MODE", "DATA", "RUN", next(iter(
             datasets.values()))[1])[1:]),
     }

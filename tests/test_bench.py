@@ -96,3 +96,41 @@ def test_run_converter_writes_into_a_fresh_directory_and_reports_its_rate(tmp_pa
     assert second["storage"]["image_format"] == "jpeg"
     with pytest.raises(SystemExit, match="--shards=-1 failed"):
         bench.run_converter(f"imagefolder:{photos}", out, "--shards=-1")
+
+
+def _rounds(*histories):
+    return [{"round": i, "eval_history": [
+        {"epoch": e + 1, "accuracy": acc, "loss": loss, "train_seconds": 10.0 * (e + 1)}
+        for e, (acc, loss) in enumerate(history)]} for i, history in enumerate(histories)]
+
+
+def test_time_to_target_counts_the_passes_a_contender_needs_to_match_the_peer():
+    """benchmarks/sequences.py's time-to-target: the target is the best peer's median
+    one-pass figure; a contender that needs two passes takes twice the time, and one that
+    mostly never gets there has no median."""
+    peers = {
+        "guide_padded_batch": _rounds([(0.60, 1.2)], [(0.60, 1.2)], [(0.60, 1.2)]),
+        "bucket_by_sequence_length": _rounds(*[[(0.70, 1.0), (0.80, 0.8)]] * 3),
+    }
+    ours = {
+        "bucket": _rounds([(0.65, 1.1), (0.72, 0.9)], [(0.69, 1.1), (0.70, 0.95)],
+                          [(0.72, 0.9), (0.8, 0.7)]),
+        "pack": _rounds([(0.5, 2.0), (0.6, 1.5)], [(0.5, 2.0), (0.6, 1.5)],
+                        [(0.71, 0.9), (0.8, 0.7)]),
+    }
+    target = bench.accuracy_target(peers, "accuracy")
+    assert target == {"metric": "accuracy", "value": 0.70,
+                      "set_by": "bucket_by_sequence_length after one pass"}
+
+    def to_target(rounds):
+        return bench.seconds_to_target(target, [r["eval_history"] for r in rounds])
+
+    assert to_target(peers["bucket_by_sequence_length"])["median"] == 10.0
+    assert to_target(ours["bucket"]) == {"median": 20.0, "min": 10.0, "max": 20.0,
+                                         "reached": 3, "rounds": 3}
+    assert to_target(ours["pack"]) == {"median": None, "min": 10.0, "max": None,
+                                       "reached": 1, "rounds": 3}
+    loss = bench.accuracy_target(peers, "loss")  # lower is better: the best peer's
+    assert loss["value"] == 1.0 and loss["set_by"].startswith("bucket_by_sequence_length")
+    assert bench.seconds_to(loss, ours["pack"][2]["eval_history"]) == 10.0
+    assert bench.seconds_to(loss, ours["pack"][0]["eval_history"]) == float("inf")

@@ -11,8 +11,10 @@ Figures are compared as ratios within one run: these machines are shared and noi
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
+import statistics
 import subprocess
 import time
 
@@ -66,6 +68,52 @@ def record(name: str, config: dict, figures: dict, ratios: dict) -> dict:
     """The one JSON record every benchmark prints."""
     return {"name": name, "config": config, "figures": figures, "ratios": ratios,
             "versions": system.versions(), "machine": machine()}
+
+
+def accuracy_target(peers: dict[str, list[dict]], metric: str) -> dict | None:
+    """Time-to-accuracy's target: what the best stock peer reaches after its first pass.
+
+    Args:
+      peers: each peer's rounds, each with ``eval_history`` (one evaluation per pass).
+      metric: ``accuracy`` (higher is better) or ``loss`` (lower is better).
+
+    Returns:
+      ``{"metric", "value", "set_by"}``: the best peer's median over its rounds; None where
+      no peer has an evaluation.
+    """
+    sense = -1 if metric == "loss" else 1
+    firsts = {}
+    for peer, rounds in peers.items():
+        values = [r["eval_history"][0][metric] for r in rounds if r.get("eval_history")]
+        if values:
+            firsts[peer] = statistics.median(values)
+    if not firsts:
+        return None
+    best = max(firsts, key=lambda peer: sense * firsts[peer])
+    return {"metric": metric, "value": firsts[best], "set_by": f"{best} after one pass"}
+
+
+def seconds_to(target: dict, history: list[dict] | None) -> float:
+    """Training seconds (``train_seconds``: evaluations left out) to the first evaluation of
+    ``history`` that reaches ``target``; inf where none does."""
+    sense = -1 if target["metric"] == "loss" else 1
+    for entry in history or []:
+        if sense * (entry[target["metric"]] - target["value"]) >= -1e-12:
+            return entry["train_seconds"]
+    return math.inf
+
+
+def seconds_to_target(target: dict, histories: list) -> dict:
+    """Time-to-target over rounds: the median with min-max. A round that never reaches the
+    target counts as infinitely slow: a median (or max) that is infinite reads None, and
+    ``reached`` says how many rounds got there."""
+    seconds = [seconds_to(target, history) for history in histories]
+    finite = [t for t in seconds if math.isfinite(t)]
+    median = statistics.median(seconds) if seconds else math.inf
+    return {"median": median if math.isfinite(median) else None,
+            "min": min(finite, default=None),
+            "max": max(finite) if finite and len(finite) == len(seconds) else None,
+            "reached": len(finite), "rounds": len(seconds)}
 
 
 # Photographs bundled with scikit-learn and scikit-image (no download): varied real scenes,

@@ -90,6 +90,8 @@ def test_token_windows_give_a_whole_run_rate_without_the_warm_up():
     assert summary["real_tokens_measured"] == 500  # the warm-up's 100 left out
     assert summary["seconds_measured"] == sum(seconds for _, seconds, _ in meter.windows)
     assert summary["padding_fraction"] == pytest.approx(1 - 600 / 2000)  # every step's
+    assert summary["real_tokens"] == 600
+    assert summary["seconds_excluded"] == meter.excluded[0][1] > 0
 
 
 def test_one_warm_up_step_is_said_in_the_singular():

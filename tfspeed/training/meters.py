@@ -126,12 +126,13 @@ class ThroughputMeter:
 
         Returns:
           ``step_time_ms``, ``examples_per_sec``, ``input_wait_pct``, ``steps_measured``,
-          ``steps_excluded`` (warm-up), ``seconds_measured`` (the measured windows' time)
-          and ``too_few_steps`` (fewer than ``MIN_STEPS`` measured: the figures are then over
+          ``steps_excluded`` (warm-up), ``seconds_measured`` (the measured windows' time),
+          ``seconds_excluded`` (warm-up's: the call that traced, probes) and ``too_few_steps`` (fewer than ``MIN_STEPS`` measured: the figures are then over
           all steps, warm-up included, and no median); for token batches also
           ``real_tokens_per_sec``, ``sequences_per_sec`` (the same way), ``padding_fraction``
-          (over every step of the run, warm-up included) and ``real_tokens_measured`` (in
-          the measured windows: over ``seconds_measured``, a whole-run rate without warm-up).
+          (over every step of the run, warm-up included), ``real_tokens_measured`` (in
+          the measured windows: over ``seconds_measured``, a whole-run rate without warm-up)
+          and ``real_tokens`` (every step's).
         """
         measured = sum(steps for steps, _, _ in self.windows)
         excluded = sum(steps for steps, _, _ in self.excluded)
@@ -152,6 +153,7 @@ class ThroughputMeter:
             **summary, **self._token_summary(measured >= self.MIN_STEPS),
             "steps_measured": measured, "steps_excluded": excluded,
             "seconds_measured": sum(seconds for _, seconds, _ in self.windows),
+            "seconds_excluded": sum(seconds for _, seconds, _ in self.excluded),
             "too_few_steps": measured < self.MIN_STEPS})
 
     def _token_summary(self, enough: bool) -> dict:
@@ -169,7 +171,8 @@ class ThroughputMeter:
             seconds = sum(w[1] for w in self.windows + self.excluded)
             rates = _token_figures(real, computed, sequences, seconds)
         return {**rates, "padding_fraction": 1.0 - real / computed,
-                "real_tokens_measured": sum(t[0] for t in self.window_tokens)}
+                "real_tokens_measured": sum(t[0] for t in self.window_tokens),
+                "real_tokens": real}
 
 
 def _examples_are_sequences(figures: dict) -> dict:
