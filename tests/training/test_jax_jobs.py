@@ -39,7 +39,7 @@ def test_the_text_job_reaches_the_tensorflow_backends_accuracy(short_texts, tmp_
     backends, run side by side: JAX's accuracy is TensorFlow's within the noise of two
     differently initialised runs."""
     flags = [*jr.TINY_TEXT, "--batch_size=32", "--epochs=2", "--learning_rate=0.003",
-             f"--data_dir={short_texts}"]
+             "--eval_every_epochs=1", f"--data_dir={short_texts}"]
     runs = {backend: subprocess.Popen(
         [sys.executable, "-m", "tfspeed.train", *flags, f"--model_dir={tmp_path / backend}"],
         cwd=REPO, env={**jr.env(), "KERAS_BACKEND": backend}, stdout=subprocess.DEVNULL,
@@ -58,6 +58,12 @@ def test_the_text_job_reaches_the_tensorflow_backends_accuracy(short_texts, tmp_
     assert report["eval_accuracy"] > 0.5 and report["real_tokens_per_sec"] is not None
     assert abs(report["eval_accuracy"] - reference["eval_accuracy"]) < 0.08, (
         report["eval_accuracy"], reference["eval_accuracy"])
+    # An evaluation after the first pass too, on both backends (the call is cut there).
+    for run in (report, reference):
+        history = run["eval_history"]
+        assert [entry["epoch"] for entry in history] == [1, 2], history
+        assert history[-1]["accuracy"] == run["eval_accuracy"]
+        assert 0 < history[0]["train_seconds"] < history[1]["train_seconds"]
 
 
 FIT = '''
