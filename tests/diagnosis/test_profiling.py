@@ -54,7 +54,12 @@ def test_the_profile_holds_the_requested_window_whatever_the_calls(
         assert profile["input_wait_pct"] > 0
     else:  # held in the step, the batch is gathered in the graph: nothing to wait for
         assert profile["input_wait_pct"] == 0
-        assert profile["conclusion"].startswith("Your program is NOT input-bound")
+        # xprof never blames the input; on a loaded machine it may call 3% of host time
+        # between the window's one-step calls ('All Others') "POTENTIALLY input-bound".
+        conclusion = profile["conclusion"]
+        assert conclusion.startswith("Your program is NOT input-bound") or (
+            conclusion.startswith("Your program is POTENTIALLY input-bound")
+            and "'All Others' time" in conclusion), conclusion
     lines = profiling.summary_lines(profile)
     assert lines[0] == (f"profile of steps {start}-{end}: calls cut at the window's edges: "
                         "each step of the window ran as its own traced call")

@@ -192,7 +192,8 @@ def length_counts_of(lengths) -> np.ndarray:
 
 
 def choose_boundaries(counts, max_length: int, num_buckets: int = 5,
-                      multiple: int = 8) -> tuple[list[int], float]:
+                      multiple: int = 8, tokens_per_batch: int = 0,
+                      min_batches: float = 0.0) -> tuple[list[int], float]:
     """Bucket boundaries that minimise the expected padding for per-length counts.
 
     An exact dynamic programme over candidate boundaries (multiples of ``multiple``, for
@@ -206,6 +207,11 @@ def choose_boundaries(counts, max_length: int, num_buckets: int = 5,
       max_length: the longest T any batch may have.
       num_buckets: at most this many boundaries.
       multiple: candidate boundaries are multiples of this.
+      tokens_per_batch, min_batches: with both, every bucket must hold at least
+        ``min_batches`` batches of ``tokens_per_batch // boundary`` sequences (``counts``
+        being one pass): a bucket that fills less often holds its sequences back for passes
+        while the others' batches go on (``group_by_window`` emits full batches only).
+        Where no set of boundaries can, the constraint is dropped.
 
     Returns:
       ``(boundaries, expected_padding_fraction)``: padded tokens / computed tokens, if every
@@ -222,17 +228,12 @@ def choose_boundaries(counts, max_length: int, num_buckets: int = 5,
     bounds = np.asarray(cands, np.float64)
     upto = below[np.asarray(cands) + 1]  # sequences that fit each candidate
     n, k = len(cands), min(num_buckets, len(cands))
-    # cost[j, i]: the least padded size of everything up to cands[i] in j buckets, the last
-    # ending at cands[i]; back[j, i]: where the bucket before it ends.
-    cost = np.full((k + 1, n), np.inf)
-    back = np.zeros((k + 1, n), np.int64)
-    cost[1] = upto * bounds
-    invalid = np.tril(np.ones((n, n), bool))  # [p, i]: a previous bucket must end before i
-    for j in range(2, k + 1):
-        total = cost[j - 1][:, None] + (upto[None, :] - upto[:, None]) * bounds[None, :]
-        total[invalid] = np.inf
-        back[j] = np.argmin(total, axis=0)
-        cost[j] = total[back[j], np.arange(n)]
+    # A bucket ending at cands[i] must hold this many sequences (0: no constraint).
+    need = (min_batches * np.maximum(1, tokens_per_batch // np.asarray(cands))
+            if tokens_per_batch and min_batches else np.zeros(n))
+    cost, back = _bucket_costs(upto, bounds, need, k)
+    if not np.isfinite(cost[1:, n - 1]).any():  # nothing meets it: the least padding
+        cost, back = _bucket_costs(upto, bounds, np.zeros(n), k)
     j = int(np.argmin(cost[1:, n - 1])) + 1  # fewer buckets if more would not help
     chosen, i = [], n - 1
     while j >= 1:
@@ -241,6 +242,25 @@ def choose_boundaries(counts, max_length: int, num_buckets: int = 5,
     real = float(np.dot(np.arange(max_length + 1), counts))
     computed = float(cost[len(chosen), n - 1])
     return sorted(chosen), (1.0 - real / computed) if computed else 0.0
+
+
+def _bucket_costs(upto, bounds, need, k: int):
+    """``choose_boundaries``' dynamic programme: cost[j, i], the least padded size of
+    everything up to candidate i in j buckets, the last ending there (inf where a bucket
+    would hold fewer than ``need`` sequences); back[j, i], where the bucket before it ends."""
+    n = len(bounds)
+    cost = np.full((k + 1, n), np.inf)
+    back = np.zeros((k + 1, n), np.int64)
+    cost[1] = np.where(upto >= need, upto * bounds, np.inf)
+    held = upto[None, :] - upto[:, None]  # [p, i]: sequences in a bucket (cands[p], cands[i]]
+    # [p, i]: a previous bucket must end before i, and the bucket must fill often enough.
+    invalid = np.tril(np.ones((n, n), bool)) | (held < need[None, :])
+    for j in range(2, k + 1):
+        total = cost[j - 1][:, None] + held * bounds[None, :]
+        total[invalid] = np.inf
+        back[j] = np.argmin(total, axis=0)
+        cost[j] = total[back[j], np.arange(n)]
+    return cost, back
 
 
 def group(ds: tf.data.Dataset, size: int) -> tf.data.Dataset:
