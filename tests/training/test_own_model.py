@@ -194,6 +194,9 @@ def test_python_api_with_any_dataset_mirrored_accumulated(tmp_path):
     seconds = [e["train_seconds"] for e in evals]
     assert 0 < seconds[0] < seconds[1] < seconds[2] < seconds[3]
     assert report["seconds"]["evaluate"] == pytest.approx(sum(e["seconds"] for e in evals))
+    with pytest.raises(UsageError, match="evaluates on validation=, which was not given"):
+        tfspeed.fit(make, train, **settings, model_dir=str(tmp_path / "none"),
+                    eval_every_epochs=1)
     # Evaluating along the way changes nothing in training: the same weights without it.
     plain = tfspeed.fit(make, train, **settings, model_dir=str(tmp_path / "plain"))
     assert plain["eval_history"] == []

@@ -87,6 +87,9 @@ def fit(model, train, validation=None, *, epochs: int | None = None,
                          f"{type(train).__name__}")
     if epochs is not None and steps is not None:
         raise UsageError("give tfspeed.fit epochs= or steps=, not both")
+    if eval_every_epochs and validation is None:
+        raise UsageError(f"tfspeed.fit(eval_every_epochs={eval_every_epochs}) evaluates on "
+                         "validation=, which was not given: pass a validation dataset")
     config = fit_config(epochs=epochs, train_steps=steps, learning_rate=learning_rate,
                         optimizer=optimizer, steps_per_execution=steps_per_execution,
                         grad_accum_steps=grad_accum_steps, checkpoint_every=checkpoint_every,
