@@ -127,7 +127,8 @@ class ThroughputMeter:
         Returns:
           ``step_time_ms``, ``examples_per_sec``, ``input_wait_pct``, ``steps_measured``,
           ``steps_excluded`` (warm-up), ``seconds_measured`` (the measured windows' time),
-          ``seconds_excluded`` (warm-up's: the call that traced, probes) and ``too_few_steps`` (fewer than ``MIN_STEPS`` measured: the figures are then over
+          ``seconds_excluded`` (warm-up's: the call that traced, probes) and
+          ``too_few_steps`` (fewer than ``MIN_STEPS`` measured: the figures are then over
           all steps, warm-up included, and no median); for token batches also
           ``real_tokens_per_sec``, ``sequences_per_sec`` (the same way), ``padding_fraction``
           (over every step of the run, warm-up included), ``real_tokens_measured`` (in
