@@ -31,14 +31,16 @@ after every pass:
                              ``jit_compile=True``: what XLA users do (one static shape);
   bucket_by_sequence_length  ``Dataset.bucket_by_sequence_length``, boundaries
                              16/32/64/128/256/512 as in the API's example, B per bucket;
-  tfspeed_bucket             ``python -m tfspeed.train --batching=bucket --tokens_per_batch=T``;
-  tfspeed_pack               ``python -m tfspeed.train --batching=pack --tokens_per_batch=T``;
-  tfspeed_auto               ``python -m tfspeed.train --batching=auto --tokens_per_batch=T``:
+  tfspeed_bucket             ``python -m tfspeed.train --batching=bucket --batch_size=B``;
+  tfspeed_pack               ``python -m tfspeed.train --batching=pack --batch_size=B``;
+  tfspeed_auto               ``python -m tfspeed.train --batching=auto --batch_size=B``:
                              what auto chose, against the faster of bucket and pack.
 
-Peers take B sequences per update; tfspeed's T is B times the split's mean length (for pack
-rounded up to whole rows of --max_length): about as many real tokens, so about as many
-updates a pass. The peers' inputs
+Peers take B sequences per update. tfspeed runs with its defaults for --batch_size=B: a
+classifier's buckets hold B texts each, as the peer's; packed batches and a language
+model's buckets hold a token budget of B times the split's mean length (about as many real
+tokens, so about as many updates a pass). --tokens_per_batch=T gives tfspeed that budget
+everywhere instead. The peers' inputs
 are the batch contract built in a map (segment_ids = 1 where the token is not <pad>,
 positions = range); their lm loss is the TF transformer tutorial's (mean over the non-<pad>
 labels of a batch). Their evaluation is exact: summed over the whole validation split, then
@@ -92,8 +94,8 @@ _ROUNDS = flags.DEFINE_integer("rounds", 3, "Interleaved rounds over all contend
 _EPOCHS = flags.DEFINE_integer("epochs", 3, "Passes over the train split, every contender's "
                                "(evaluated after each: time-to-target).")
 _BATCH = flags.DEFINE_integer("batch_size", 32, "Sequences per update of the peers.")
-_TOKENS = flags.DEFINE_integer("tokens_per_batch", 0, "tfspeed's token budget; 0 = batch_size "
-                               "x the split's mean length, rounded up to a multiple of max_length.")
+_TOKENS = flags.DEFINE_integer("tokens_per_batch", 0, "tfspeed's token budget, every mode; 0: "
+                               "tfspeed's defaults for --batch_size.")
 _MAX_LENGTH = flags.DEFINE_integer("max_length", 512, "Longest sequence (conversion and batches).")
 _WIDTH = flags.DEFINE_integer("width", 64, "Transformer width.")
 _DEPTH = flags.DEFINE_integer("depth", 2, "Transformer blocks.")
@@ -167,9 +169,9 @@ def prepare(name: str) -> tuple[str, dict]:
 
 
 def token_budget(facts: dict, mode: str = "pack") -> int:
-    """tfspeed's tokens per batch: the peers' real tokens per update (--batch_size sequences
-    of the mean length), so every contender makes about as many updates a pass; rounded up
-    to whole rows of --max_length for pack (a packed batch is whole rows)."""
+    """About tfspeed's tokens per batch: the peers' real tokens per update (--batch_size
+    sequences of the mean length, what tfspeed's defaults give), rounded up to whole rows of
+    --max_length for pack (a packed batch is whole rows): the updates a pass to expect."""
     if _TOKENS.value:
         return _TOKENS.value
     tokens = int(round(_BATCH.value * facts["train_mean"]))
@@ -388,7 +390,8 @@ def tfspeed_command(mode: str, data_dir: str, model_dir: str, facts: dict) -> li
     on for pack, off for bucket on a CPU)."""
     return [sys.executable, "-m", "tfspeed.train", f"--data_dir={data_dir}",
             f"--model_dir={model_dir}", "--model=transformer", f"--batching={mode}",
-            f"--tokens_per_batch={token_budget(facts, mode)}", f"--max_length={_MAX_LENGTH.value}",
+            *([f"--tokens_per_batch={_TOKENS.value}"] if _TOKENS.value else []),
+            f"--max_length={_MAX_LENGTH.value}",
             f"--batch_size={_BATCH.value}",  # the peers' sequences per batch (pad mode's B)
             f"--width={_WIDTH.value}", f"--depth={_DEPTH.value}", f"--heads={_HEADS.value}",
             f"--epochs={_EPOCHS.value}", "--eval_every_epochs=1",  # as the peers: each pass

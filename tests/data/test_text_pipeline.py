@@ -2,6 +2,7 @@
 real converter): every batching mode keeps the batch contract, the promised static shapes
 and padding, sees every token once per epoch, is seeded, and splits evenly over replicas."""
 
+import dataclasses
 import subprocess
 import sys
 
@@ -248,10 +249,12 @@ def test_auto_buckets_short_texts_for_the_transformer(short_texts):
 
     schema = schema_lib.read(short_texts)
     k = transformer.attention_length(64, 2, 4)  # the built-in transformer's defaults
-    resolved = text.resolve(DataConfig(data_dir=short_texts, batch_size=64), schema, True,
+    # 16 texts a bucketed batch: on this small split (1,167 texts) a bucket must hold 32 of
+    # them a pass, so the long tail shares wide buckets (at 64 texts a batch, 71% padding).
+    resolved = text.resolve(DataConfig(data_dir=short_texts, batch_size=16), schema, True,
                             attention_length=k)
     assert resolved.mode == "bucket", resolved.reason
-    assert resolved.costs["pack"] > 1.3 * resolved.costs["bucket"], resolved.costs
+    assert resolved.costs["pack"] > 1.15 * resolved.costs["bucket"], resolved.costs
     assert resolved.expected_padding["pack"] < resolved.expected_padding["bucket"]
     assert resolved.mean_length < 40
 
@@ -291,7 +294,9 @@ def test_one_pass_of_bucketed_batches_trains_nearly_every_text(corpus, text_dir,
     epoch of batches (the default shuffled training input) holds most texts."""
     data_dir = text_dir if corpus == "code" else short_texts
     schema = schema_lib.read(data_dir)
-    config = DataConfig(data_dir=data_dir, batching="bucket")  # --batch_size's default
+    # A classifier's bucketed batch holds --batch_size texts: at the default 128 the code
+    # corpus holds under 3 batches a pass, and whole batches cannot hold most of it.
+    config = DataConfig(data_dir=data_dir, batching="bucket", batch_size=32)
     batching = text.resolve(config, schema, True, compiled=("pack",))  # TF on a CPU
     texts = {r["tokens"].tobytes() for r in token_records(data_dir)}
     seen = set()
@@ -309,3 +314,32 @@ def test_one_pass_of_bucketed_batches_trains_nearly_every_text(corpus, text_dir,
     for boundary, size in zip(batching.boundaries, batching.bucket_batch_sizes, strict=True):
         assert counts[lower + 1: boundary + 1].sum() >= text.MIN_BUCKET_BATCHES * size
         lower = boundary
+
+
+def test_classification_buckets_hold_batch_size_texts_and_lm_buckets_a_token_budget(
+        text_dir, lm_dir, short_texts):
+    """A token budget put 169 short texts into one update and 8 long ones into another, so
+    under Adam a short text had a fifth of a long one's say: after one pass over pystdlib's
+    code tfspeed's bucket reached 0.70 accuracy against 0.80 for bucket_by_sequence_length's
+    32 texts a bucket. A classifier's loss is a mean over texts: each bucketed training
+    batch now holds --batch_size of them, whatever its width. A language model's loss is a
+    mean over tokens: its buckets keep the token budget, as does a --tokens_per_batch given."""
+    for data_dir in (text_dir, short_texts):
+        schema = schema_lib.read(data_dir)
+        config = DataConfig(data_dir=data_dir, batch_size=16, batching="bucket")
+        batching = text.resolve(config, schema, True, compiled=("pack",))
+        assert set(batching.bucket_batch_sizes) == {16}, batching.bucket_batch_sizes
+        assert batching.expected_weight("classification") == 16
+        widths = set()
+        ds = pipeline.build_from_config(config, "train", training=True, schema=schema,
+                                        batching=batching)
+        for x, y in ds.take(text.batches_per_epoch(batching, schema, "train")):
+            assert x["tokens"].shape[0] == 16 and float(np.sum(y["weight"])) == 16
+            widths.add(x["tokens"].shape[1])
+        assert len(widths) > 2, widths
+        budget = text.resolve(dataclasses.replace(config, tokens_per_batch=2048), schema, True,
+                              compiled=("pack",))
+        assert len(set(budget.bucket_batch_sizes)) > 1, budget.bucket_batch_sizes
+    lm = text.resolve(DataConfig(data_dir=lm_dir, batch_size=16, batching="bucket"),
+                      schema_lib.read(lm_dir), True, compiled=("pack",))
+    assert len(set(lm.bucket_batch_sizes)) > 1, lm.bucket_batch_sizes

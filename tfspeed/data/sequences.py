@@ -133,16 +133,17 @@ def pad_fixed(ds: tf.data.Dataset, batch_size: int, max_length: int,
 
 
 def bucket_batch_sizes(boundaries: Sequence[int], tokens_per_batch: int,
-                       batch_multiple: int = 1) -> list[int]:
-    """Sequences per batch of each bucket: ``tokens_per_batch // boundary`` rounded down to a
-    multiple of ``batch_multiple`` (e.g. the number of replicas), and at least that."""
-    return [max(batch_multiple, tokens_per_batch // b // batch_multiple * batch_multiple)
-            for b in boundaries]
+                       batch_multiple: int = 1, batch_size: int = 0) -> list[int]:
+    """Sequences per batch of each bucket: ``batch_size`` in every bucket if given, else
+    ``tokens_per_batch // boundary``; rounded down to a multiple of ``batch_multiple`` (e.g.
+    the number of replicas), and at least that."""
+    return [max(batch_multiple, (batch_size or tokens_per_batch // b)
+                // batch_multiple * batch_multiple) for b in boundaries]
 
 
 def bucket(ds: tf.data.Dataset, boundaries: Sequence[int], tokens_per_batch: int,
            batch_multiple: int = 1, drop_remainder: bool = True,
-           deterministic: bool = True) -> tf.data.Dataset:
+           deterministic: bool = True, batch_size: int = 0) -> tf.data.Dataset:
     """Sequences grouped by length; each batch padded to its bucket's boundary.
 
     Bucket i holds lengths in ``(boundaries[i-1], boundaries[i]]`` (inclusive: a sequence of
@@ -157,6 +158,8 @@ def bucket(ds: tf.data.Dataset, boundaries: Sequence[int], tokens_per_batch: int
       tokens_per_batch: the token budget of a batch (see ``bucket_batch_sizes``).
       batch_multiple: every batch size is a multiple of this (the number of replicas).
       drop_remainder: drop each bucket's last short batch at the end of the input.
+      batch_size: sequences per batch in every bucket instead of a token budget (0: the
+        budget decides).
 
     Returns:
       ``(inputs, targets)`` batches of shape [B_i, boundaries[i]]; the spec says [None, None],
@@ -164,7 +167,8 @@ def bucket(ds: tf.data.Dataset, boundaries: Sequence[int], tokens_per_batch: int
     """
     bounds = sorted(int(b) for b in boundaries)
     edges = tf.constant(bounds, tf.int32)
-    sizes = tf.constant(bucket_batch_sizes(bounds, tokens_per_batch, batch_multiple), tf.int64)
+    sizes = tf.constant(bucket_batch_sizes(bounds, tokens_per_batch, batch_multiple, batch_size),
+                        tf.int64)
     last = len(bounds) - 1
     values, lm = _padding_values(ds)
 
@@ -193,7 +197,7 @@ def length_counts_of(lengths) -> np.ndarray:
 
 def choose_boundaries(counts, max_length: int, num_buckets: int = 5,
                       multiple: int = 8, tokens_per_batch: int = 0,
-                      min_batches: float = 0.0) -> tuple[list[int], float]:
+                      min_batches: float = 0.0, batch_size: int = 0) -> tuple[list[int], float]:
     """Bucket boundaries that minimise the expected padding for per-length counts.
 
     An exact dynamic programme over candidate boundaries (multiples of ``multiple``, for
@@ -208,8 +212,8 @@ def choose_boundaries(counts, max_length: int, num_buckets: int = 5,
       num_buckets: at most this many boundaries.
       multiple: candidate boundaries are multiples of this.
       tokens_per_batch, min_batches: with both, every bucket must hold at least
-        ``min_batches`` batches of ``tokens_per_batch // boundary`` sequences (``counts``
-        being one pass): a bucket that fills less often holds its sequences back for passes
+        ``min_batches`` batches of ``tokens_per_batch // boundary`` sequences (of
+        ``batch_size`` if given; ``counts`` being one pass): a bucket that fills less often holds its sequences back for passes
         while the others' batches go on (``group_by_window`` emits full batches only).
         Where no set of boundaries can, the constraint is dropped.
 
@@ -229,8 +233,10 @@ def choose_boundaries(counts, max_length: int, num_buckets: int = 5,
     upto = below[np.asarray(cands) + 1]  # sequences that fit each candidate
     n, k = len(cands), min(num_buckets, len(cands))
     # A bucket ending at cands[i] must hold this many sequences (0: no constraint).
-    need = (min_batches * np.maximum(1, tokens_per_batch // np.asarray(cands))
-            if tokens_per_batch and min_batches else np.zeros(n))
+    per_batch = (np.full(n, batch_size) if batch_size else
+                 np.maximum(1, tokens_per_batch // np.asarray(cands)))
+    need = (min_batches * per_batch if (tokens_per_batch or batch_size) and min_batches
+            else np.zeros(n))
     cost, back = _bucket_costs(upto, bounds, need, k)
     if not np.isfinite(cost[1:, n - 1]).any():  # nothing meets it: the least padding
         cost, back = _bucket_costs(upto, bounds, np.zeros(n), k)

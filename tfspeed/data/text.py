@@ -68,11 +68,16 @@ class Batching:
       max_length: T: a packed row's tokens, the last bucket's boundary, the longest a padded
         batch gets. From the data (every split's longest sequence, rounded up to a multiple
         of 8) unless ``--max_length`` is lower; longer sequences follow ``long``.
-      tokens_per_batch: the token budget of a bucket's or a packed batch.
+      tokens_per_batch: the token budget of a bucket's or a packed batch (a classifier's
+        buckets: what ``bucket_size`` sequences of the mean length hold).
       batch_size: sequences per padded batch (``pad``).
       rows_per_batch: rows per packed batch (``pack``), a multiple of the replicas.
       boundaries: the buckets' lengths (``bucket``).
       bucket_batch_sizes: sequences per batch of each bucket, multiples of the replicas.
+      bucket_size: sequences per batch in every bucket (``bucket``, classification, no
+        ``--tokens_per_batch``: ``--batch_size`` texts, so that every text has the same
+        share of the updates, as in padded batches); 0: each bucket's batch holds the token
+        budget (language models: their loss is a mean over tokens).
       max_segments: S, sequences per row (1 unless packed).
       long: what happens to a sequence longer than ``max_length``.
       expected_padding: the fraction of computed tokens that would be padding, per mode,
@@ -111,24 +116,19 @@ class Batching:
     replicas: int = 1
     measured: dict = dataclasses.field(default_factory=dict)
     free_shapes: bool = False
+    bucket_size: int = 0
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
 
     def expected_weight(self, task: str) -> float:
         """What one global batch holds on average: real tokens (lm), or sequences."""
-        if self.mode == "pad":
-            sequences = float(self.batch_size)
+        if self.mode == "pad" or (self.mode == "bucket" and self.bucket_size):
+            sequences = float(self.bucket_size if self.mode == "bucket" else self.batch_size)
         else:
             real = self.tokens_per_batch * (1 - self.expected_padding.get(self.mode, 0.0))
             sequences = real / max(self.mean_length, 1.0)
         return sequences * self.mean_length if task == "lm" else sequences
-
-    def choose(self, mode: str, reason: str, measured: dict | None = None) -> Batching:
-        """The same figures batched as ``mode`` (the probe's choice)."""
-        return dataclasses.replace(
-            self, mode=mode, reason=reason, measured=measured or self.measured,
-            max_segments=max(1, self.max_length // 8) if mode == "pack" else 1)
 
 
 def is_text(schema) -> bool:
@@ -170,7 +170,8 @@ def resolve_max_length(longest_sequence: int, requested: int = 0) -> int:
 
 
 def expected_padding(counts: np.ndarray, batch_size: int, shape_cost: float = 0.0,
-                     free_shapes: bool = False, tokens_per_batch: float = 0.0) -> dict:
+                     free_shapes: bool = False, tokens_per_batch: float = 0.0,
+                     bucket_size: int = 0) -> dict:
     """Expected padding fractions of ``counts`` (lengths after the long policy).
 
     Args:
@@ -180,6 +181,7 @@ def expected_padding(counts: np.ndarray, batch_size: int, shape_cost: float = 0.
         multiples of ``FREE_MULTIPLE``, the least padding.
       tokens_per_batch: a bucketed batch's token budget: every bucket then holds at least
         ``MIN_BUCKET_BATCHES`` batches of ``counts`` (one pass); 0: no such bound.
+      bucket_size: a bucketed batch's sequences, in every bucket (instead of the budget's).
 
     Returns:
       ``{"pad", "fixed", "bucket", "boundaries", "pad_width"}``: ``pad`` pads a batch of
@@ -199,7 +201,8 @@ def expected_padding(counts: np.ndarray, batch_size: int, shape_cost: float = 0.
     cdf = np.cumsum(counts) / total
     below = np.concatenate([[0.0], cdf[:-1]])
     widest = float(np.dot(lengths, cdf ** batch_size - below ** batch_size))
-    filled = {"tokens_per_batch": int(tokens_per_batch), "min_batches": MIN_BUCKET_BATCHES}
+    filled = {"tokens_per_batch": int(tokens_per_batch), "min_batches": MIN_BUCKET_BATCHES,
+              "batch_size": bucket_size}
     if shape_cost:
         choices = [sequences.choose_boundaries(counts, max_length, k, **filled)
                    for k in range(1, MAX_BUCKETS + 1)]
@@ -327,12 +330,16 @@ def resolve(config, schema, takes_segments: bool = False, replicas: int = 1,
     counts = long_texts.piece_counts(every[split], t, config.long)
     mean = float(np.dot(np.arange(len(counts)), counts)) / max(counts.sum(), 1.0)
     budget = config.tokens_per_batch or config.batch_size * mean
+    per_bucket = 0  # a classifier's bucket holds --batch_size texts, unless given a budget
+    if schema.task != "lm" and not config.tokens_per_batch:
+        per_bucket = sequences.bucket_batch_sizes([1], 0, replicas, config.batch_size)[0]
     run_batches = run_steps or run_epochs * mean * counts.sum() / max(budget, 1.0)
     shape_cost = COMPILE_BATCHES / run_batches if run_batches and compiled else 0.0
     free = compiled is not None and "bucket" not in compiled
     compiled = compiled or ()
     padding = expected_padding(counts, config.batch_size,
-                               shape_cost if "bucket" in compiled else 0.0, free, budget)
+                               shape_cost if "bucket" in compiled else 0.0, free, budget,
+                               per_bucket)
     segments = max(1, t // 8)
     padding["pack"] = pack_padding(counts, t, segments)
     boundaries = _cover(padding["boundaries"], every, t, config.long)
@@ -342,7 +349,7 @@ def resolve(config, schema, takes_segments: bool = False, replicas: int = 1,
     mode, reason = config.batching, f"--batching={config.batching}"
     if mode == "auto":
         mode, reason = choose(costs, takes_segments)
-    if mode == "pad" and config.batch_size % replicas:
+    if (mode == "pad" or mode == "bucket" and per_bucket) and config.batch_size % replicas:
         raise UsageError(f"--batch_size={config.batch_size} does not split evenly over "
                          f"{replicas} replicas; use a multiple of {replicas}")
     rows = max(replicas, round(tokens / t / replicas) * replicas)
@@ -350,13 +357,15 @@ def resolve(config, schema, takes_segments: bool = False, replicas: int = 1,
         mode=mode, reason=reason, max_length=t, tokens_per_batch=tokens,
         batch_size=config.batch_size, rows_per_batch=rows,
         boundaries=tuple(boundaries) if mode == "bucket" else (),
-        bucket_batch_sizes=(tuple(sequences.bucket_batch_sizes(boundaries, tokens, replicas))
+        bucket_batch_sizes=(tuple(sequences.bucket_batch_sizes(boundaries, tokens, replicas,
+                                                               per_bucket))
                             if mode == "bucket" else ()),
         max_segments=segments if mode == "pack" else 1, long=config.long,
         expected_padding=padding, costs=costs, attention_length=attention_length,
         long_counts={name: long_texts.events(np.arange(len(c)), t, config.long, weights=c)
                      for name, c in every.items()},
-        mean_length=round(mean, 2), replicas=replicas, free_shapes=free)
+        mean_length=round(mean, 2), replicas=replicas, free_shapes=free,
+        bucket_size=per_bucket if mode == "bucket" else 0)
 
 
 def _cover(boundaries: list[int], every: dict, max_length: int, long: str) -> list[int]:
@@ -456,12 +465,13 @@ def batch(ds, batching: Batching, *, training: bool, longest: int, num_pipelines
         # Multiples of the replicas this pipeline feeds, whether it cuts the batch for them
         # (tf.distribute) or hands it on whole (the JAX engine shards it).
         multiple = max(local_replicas, batching.replicas // num_pipelines)
+        size = batching.bucket_size // num_pipelines
         ds = sequences.bucket(ds, batching.boundaries, tokens, multiple, drop_remainder=drop,
-                              deterministic=deterministic)
+                              deterministic=deterministic, batch_size=size)
         if not drop:
             edges = tf.constant(batching.boundaries, tf.int32)
             sizes = tf.constant(sequences.bucket_batch_sizes(batching.boundaries, tokens,
-                                                             multiple), tf.int32)
+                                                             multiple, size), tf.int32)
 
             def fill(x, y):
                 if batching.free_shapes:  # no compile per shape: whole replica shares only
