@@ -101,7 +101,8 @@ _WIDTH = flags.DEFINE_integer("width", 64, "Transformer width.")
 _DEPTH = flags.DEFINE_integer("depth", 2, "Transformer blocks.")
 _HEADS = flags.DEFINE_integer("heads", 4, "Attention heads.")
 _LR = flags.DEFINE_float("learning_rate", 1e-3, "Adam's (constant) learning rate, everyone's.")
-_SEED = flags.DEFINE_integer("seed", 0, "Shuffle seed.")
+_SEED = flags.DEFINE_integer("seed", 0, "Seed (initialisation and shuffle) of round 0; round r "
+                             "runs every contender with seed + r.")
 _TAG = flags.DEFINE_string("tag", "", "Suffix of the record's file name.")
 _RESULTS = flags.DEFINE_string("results_dir", os.path.join(REPO, "benchmarks", "results"),
                                "Where the record is written ('' = print only).")
@@ -384,7 +385,8 @@ def run_peer(contender: str, data_dir: str, facts: dict) -> dict:
 
 
 # ------------------------------------------------------------------ tfspeed (the driver)
-def tfspeed_command(mode: str, data_dir: str, model_dir: str, facts: dict) -> list[str]:
+def tfspeed_command(mode: str, data_dir: str, model_dir: str, facts: dict,
+                    seed: int = 0) -> list[str]:
     """``python -m tfspeed.train`` as a user runs it: one pass, float32, the peers' model,
     optimizer and learning rate; everything else left to tfspeed's defaults (``--xla=auto``:
     on for pack, off for bucket on a CPU)."""
@@ -396,14 +398,15 @@ def tfspeed_command(mode: str, data_dir: str, model_dir: str, facts: dict) -> li
             f"--width={_WIDTH.value}", f"--depth={_DEPTH.value}", f"--heads={_HEADS.value}",
             f"--epochs={_EPOCHS.value}", "--eval_every_epochs=1",  # as the peers: each pass
             "--precision=float32", "--optimizer=adam",
-            f"--learning_rate={_LR.value}", "--lr_schedule=constant", "--warmup_steps=0"]
+            f"--learning_rate={_LR.value}", "--lr_schedule=constant", "--warmup_steps=0",
+            f"--seed={seed}"]
 
 
-def run_tfspeed(contender: str, data_dir: str, facts: dict) -> dict:
+def run_tfspeed(contender: str, data_dir: str, facts: dict, seed: int = 0) -> dict:
     """Runs the driver into a fresh model dir and reads its report.json."""
     model_dir = os.path.join(_WORKDIR.value, "runs", f"{os.path.basename(data_dir)}-{contender}")
     shutil.rmtree(model_dir, ignore_errors=True)
-    command = tfspeed_command(TFSPEED[contender], data_dir, model_dir, facts)
+    command = tfspeed_command(TFSPEED[contender], data_dir, model_dir, facts, seed)
     proc = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
     _, err = proc.communicate()
@@ -449,21 +452,23 @@ def _find(report: dict, key: str):
 
 
 # ------------------------------------------------------------------ rounds and the record
-def in_process_of_its_own(contender: str, data_dir: str, facts: dict) -> dict:
-    """One contender's run in a fresh process; adds the process's wall seconds."""
+def in_process_of_its_own(contender: str, data_dir: str, facts: dict, seed: int) -> dict:
+    """One contender's run in a fresh process, with ``seed`` (initialisation and shuffle);
+    adds the process's wall seconds and the seed."""
     start = time.perf_counter()
     if contender in TFSPEED:
-        result = run_tfspeed(contender, data_dir, facts)
+        result = run_tfspeed(contender, data_dir, facts, seed)
     else:
         result = bench.run_contender([sys.executable, os.path.abspath(__file__),
                                       f"--contender={contender}", f"--data_dir={data_dir}",
-                                      *_shared_flags()], contender, check=False)
-    return {**result, "wall_seconds": time.perf_counter() - start}
+                                      *_shared_flags(), f"--seed={seed}"], contender,
+                                     check=False)
+    return {**result, "wall_seconds": time.perf_counter() - start, "seed": seed}
 
 
 def _shared_flags() -> list[str]:
     return [f"--{f.name}={f.value}" for f in (_WORKDIR, _ITEMS, _BATCH, _MAX_LENGTH, _WIDTH,
-                                              _DEPTH, _HEADS, _LR, _SEED, _EPOCHS)]
+                                              _DEPTH, _HEADS, _LR, _EPOCHS)]
 
 
 def summary(values: list) -> dict | None:
@@ -552,15 +557,17 @@ def ratios_of(figures: dict) -> dict:
 
 
 def run_rounds(datasets: dict, contenders: list[str], save) -> dict:
-    """``--rounds`` rounds; in round r the contenders' order is rotated by r. ``save(results,
-    complete)`` is called after every contender's run, so that a run cut short keeps its
-    rounds."""
+    """``--rounds`` rounds; in round r the contenders' order is rotated by r and every
+    contender runs with seed ``--seed + r``: accuracy after a pass swings with the seed (one
+    pass of tfspeed's bucket on pydocs: 0.655-0.744 over seeds), so one seed for all rounds
+    would give the peers' target no spread. ``save(results, complete)`` is called after
+    every contender's run, so that a run cut short keeps its rounds."""
     results = {d: {c: [] for c in contenders} for d in datasets}
     for r in range(_ROUNDS.value):
         order = contenders[r % len(contenders):] + contenders[:r % len(contenders)]
         for name, (data_dir, facts) in datasets.items():
             for contender in order:
-                result = in_process_of_its_own(contender, data_dir, facts)
+                result = in_process_of_its_own(contender, data_dir, facts, _SEED.value + r)
                 results[name][contender].append({"round": r, **result})
                 print(f"round {r} {name} {contender}: "
                       f"{result.get('real_tokens_per_sec') or result.get('error', '')[-300:]}",

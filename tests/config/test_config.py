@@ -34,6 +34,16 @@ def test_auto_is_a_value_of_its_own():
         RuntimeConfig(intra_op_threads=-1).validate()
 
 
+def test_evaluations_along_the_run_need_an_eval_split():
+    """--eval_every_epochs with --eval_split='' once trained on and evaluated nothing."""
+    config = Config(data=DataConfig(data_dir="d", eval_split=""),
+                    train=TrainConfig(eval_every_epochs=1), model_dir="m")
+    with pytest.raises(UsageError, match=r"--eval_every_epochs=1 evaluates on --eval_split, "
+                                         r"which is empty; name a split"):
+        config.validate()
+    assert dataclasses.replace(config, train=TrainConfig()).validate()
+
+
 def test_every_flag_comes_from_a_field_with_its_default_and_help():
     from absl import flags
 

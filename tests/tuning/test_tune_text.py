@@ -321,3 +321,29 @@ def test_tuned_text_flags_train_with_the_chosen_batching(text_tune, tmp_path):
     if trained.mode == result["user"]["resolved"]["batching"] and (
             trained.tokens_per_batch == int(result["user"]["resolved"]["tokens_per_batch"])):
         assert report["micro_steps"] == result["measurements"]["steps_per_epoch"]
+
+
+def test_a_classifiers_buckets_are_tuned_at_its_batch_size_not_at_a_token_budget(tmp_path):
+    """A classifier's bucketed batch holds --batch_size texts (``bucket_size``): a token
+    budget there would change how many updates each text gets, not only the speed, so tune
+    offers bucket without one, predicts its batch as batch_size texts, and never writes a
+    --tokens_per_batch for it (which would switch its buckets to the budget)."""
+    from tfspeed.tuning import output
+
+    m = _costed(held_width=56, **SHORT, job=("bucket", 4096), bucket_size=16)
+    ranked = predict.rank(m)
+    buckets = [r for r in ranked if r["candidate"].batching == "bucket"]
+    assert {r["candidate"].tokens_per_batch for r in buckets} == {0}
+    assert {r["candidate"].tokens_per_batch for r in ranked
+            if r["candidate"].batching == "pack"} == {2048, 4096, 8192}
+    assert predict.examples_per_batch(buckets[0]["candidate"], m) == 16
+    assert "tokens=" not in buckets[0]["candidate"].label()
+    assert "tokens_per_batch" not in verify.knob_values(buckets[0]["candidate"])
+    config, args = _text_config(tmp_path, "--tokens_per_batch=0")  # no budget: texts
+    written = output.write_flags(str(tmp_path / "tuned.flags"), args, config,
+                                 {**buckets[0], "measured": {"examples_per_sec": 850.0}},
+                                 {"candidate": None}, m)
+    assert written["changed"]["batching"] == "bucket"
+    assert "tokens_per_batch" not in written["changed"]
+    lines = (tmp_path / "tuned.flags").read_text().splitlines()
+    assert [x for x in lines if x.startswith("--tokens_per_batch")] == ["--tokens_per_batch=0"]

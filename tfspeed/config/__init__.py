@@ -119,7 +119,8 @@ class DataConfig:
     tokens_per_batch: int = option(
         0, "Token budget of one global batch for bucket and pack: a bucket of length L takes "
            "tokens_per_batch // L sequences, pack takes tokens_per_batch // --max_length rows; "
-           "0: --batch_size x --max_length.")
+           "0: --batch_size sequences of the train split's mean length, and a classifier's "
+           "buckets --batch_size texts each.")
     max_length: int = option(
         0, "Longest sequence a batch holds (pack's row length, the last bucket's boundary); "
            "0: the conversion's --max_length, else the train split's longest, rounded up to a "
@@ -292,6 +293,10 @@ class Config:
         self.train.validate()
         if not self.model_dir:
             raise UsageError("--model_dir is required: where checkpoints, logs and report.json go")
+        if self.train.eval_every_epochs and not self.data.eval_split:
+            raise UsageError(f"--eval_every_epochs={self.train.eval_every_epochs} evaluates on "
+                             "--eval_split, which is empty; name a split (--eval_split="
+                             "validation) or drop --eval_every_epochs")
         return self
 
     def to_json(self) -> dict:

@@ -330,9 +330,7 @@ def resolve(config, schema, takes_segments: bool = False, replicas: int = 1,
     counts = long_texts.piece_counts(every[split], t, config.long)
     mean = float(np.dot(np.arange(len(counts)), counts)) / max(counts.sum(), 1.0)
     budget = config.tokens_per_batch or config.batch_size * mean
-    per_bucket = 0  # a classifier's bucket holds --batch_size texts, unless given a budget
-    if schema.task != "lm" and not config.tokens_per_batch:
-        per_bucket = sequences.bucket_batch_sizes([1], 0, replicas, config.batch_size)[0]
+    per_bucket = bucket_size(config, schema, replicas)
     run_batches = run_steps or run_epochs * mean * counts.sum() / max(budget, 1.0)
     shape_cost = COMPILE_BATCHES / run_batches if run_batches and compiled else 0.0
     free = compiled is not None and "bucket" not in compiled
@@ -366,6 +364,16 @@ def resolve(config, schema, takes_segments: bool = False, replicas: int = 1,
                      for name, c in every.items()},
         mean_length=round(mean, 2), replicas=replicas, free_shapes=free,
         bucket_size=per_bucket if mode == "bucket" else 0)
+
+
+def bucket_size(config, schema, replicas: int = 1) -> int:
+    """Sequences in every bucketed batch: a classifier's ``--batch_size`` texts (its loss is
+    a mean over texts, and every text then has the same share of the updates, as in padded
+    batches), a multiple of the replicas; 0 for a language model (a mean over tokens) or a
+    given ``--tokens_per_batch``: each bucket's batch then holds that many tokens."""
+    if schema.task == "lm" or config.tokens_per_batch:
+        return 0
+    return sequences.bucket_batch_sizes([1], 0, replicas, config.batch_size)[0]
 
 
 def _cover(boundaries: list[int], every: dict, max_length: int, long: str) -> list[int]:

@@ -177,6 +177,7 @@ def _measure_text_input(job, budget: Budget, held) -> _InputFindings:
     pieces = long_texts.piece_counts(text_lib.length_counts(job.schema, split),
                                      resolved.max_length, resolved.long)
     split_tokens = int(pieces @ np.arange(len(pieces)))  # what one pass computes, unpadded
+    per_bucket = text_lib.bucket_size(data, job.schema, resolved.replicas)
     budgets = sorted({t for t in (int(f * resolved.tokens_per_batch) for f in TOKEN_BUDGETS)
                       if resolved.max_length <= t <= split_tokens},
                      key=lambda t: t != resolved.tokens_per_batch)
@@ -186,8 +187,9 @@ def _measure_text_input(job, budget: Budget, held) -> _InputFindings:
                                          f"the input batched by {mode}"):
             continue
         say("timing the input batched by %s", mode)
-        cfg = dataclasses.replace(data, batching=mode, cache="none",
-                                  tokens_per_batch=resolved.tokens_per_batch)
+        cfg = dataclasses.replace(data, batching=mode, cache="none")
+        if not (mode == "bucket" and per_bucket):  # a classifier's buckets: its texts
+            cfg = dataclasses.replace(cfg, tokens_per_batch=resolved.tokens_per_batch)
         ds = pipeline.build_from_config(cfg, split, training=True, schema=job.schema)
         cpu_s, wall_s, computed = _time_token_batches(iter(ds), TEXT_INPUT_SECONDS)
         figures[mode] = {"expected_padding": resolved.expected_padding[mode],
@@ -208,7 +210,8 @@ def _measure_text_input(job, budget: Budget, held) -> _InputFindings:
             "costs": text_lib.predicted_costs(pieces, resolved.expected_padding,
                                               resolved.max_length, resolved.attention_length),
             "attention_length": resolved.attention_length,
-            "job": {"batching": resolved.mode, "tokens_per_batch": resolved.tokens_per_batch}}
+            "job": {"batching": resolved.mode, "tokens_per_batch": resolved.tokens_per_batch},
+            "bucket_size": per_bucket}
     return _InputFindings({COLD: cold}, InputStages(cold.cpu_s, 0.0, None), ("batched",),
                           ("none",), text)
 

@@ -170,8 +170,8 @@ def _changed(c: Candidate, config, resolved: dict, m: Measurements) -> dict:
         value = getattr(c, name)
         if name in fixed and given[name] in ("auto", 0):
             continue
-        if name == "tokens_per_batch" and c.batching == "pad":
-            continue  # a padded batch holds --batch_size sequences
+        if name == "tokens_per_batch" and (c.batching == "pad" or not value):
+            continue  # a padded batch (a classifier's bucketed one) holds --batch_size texts
         if c.input_placement == "device" and name in ("cache", "parse", "input_threads"):
             continue  # the split is read once, into the step
         if name == "parse" and c.cache != "none":

@@ -26,7 +26,7 @@ class Candidate:
     xla: str  # on, off
     steps_per_execution: int
     batching: str = ""  # pad, bucket, pack (token records only; "": not a knob here)
-    tokens_per_batch: int = 0  # the token budget of a bucket or packed batch (0: n/a)
+    tokens_per_batch: int = 0  # the token budget of a bucket or packed batch (0: none)
 
     @property
     def step_key(self) -> StepKey:
@@ -43,7 +43,8 @@ class Candidate:
                                                   else "") +
                  (f" threads={self.input_threads}" if self.input_threads else ""))
         tokens = (f"batching={self.batching}" + (f" tokens={self.tokens_per_batch}"
-                                                 if self.batching != "pad" else "") + ", "
+                                                 if self.tokens_per_batch
+                                                 and self.batching != "pad" else "") + ", "
                   if self.batching else "")
         return (f"{tokens}{where}, {self.precision}, xla={self.xla}, "
                 f"spe={self.steps_per_execution}")
@@ -115,13 +116,16 @@ def _predict_tokens(c: Candidate, m: Measurements) -> dict:
 
 def real_tokens_per_batch(c: Candidate | None, m: Measurements) -> float:
     """Real tokens a batch of ``c`` holds on average (None: the job's own batching): a
-    padded batch's ``--batch_size`` sequences of the mean length, a bucketed or packed
-    one's token budget less its expected padding."""
+    padded batch's ``--batch_size`` sequences of the mean length (a classifier's bucketed
+    batch's ``bucket_size``), a bucketed or packed one's token budget less its expected
+    padding."""
     text = m.text
     mode, tokens = ((c.batching, c.tokens_per_batch) if c is not None and c.batching else
                     (text["job"]["batching"], text["job"]["tokens_per_batch"]))
     if mode == "pad":
         return text["batch_size"] * text["mean_length"]
+    if mode == "bucket" and text.get("bucket_size"):
+        return text["bucket_size"] * text["mean_length"]
     return tokens * (1 - text["batching"][mode]["expected_padding"])
 
 
@@ -135,11 +139,15 @@ def examples_per_batch(c: Candidate | None, m: Measurements) -> float:
 
 def token_choices(m: Measurements) -> list[tuple[str, int]]:
     """(batching, tokens_per_batch) pairs of a token job, of the batchings measured: pad at
-    its batch size, bucket and pack at each token budget."""
+    its batch size, bucket and pack at each token budget; a classifier's buckets at its
+    batch size, with no budget (0): a budget would change what an update holds, not only the
+    speed."""
     text = m.text
     pairs = [("pad", text["tokens_per_batch"][0])] if "pad" in text["batching"] else []
+    if "bucket" in text["batching"] and text.get("bucket_size"):
+        pairs.append(("bucket", 0))
     for mode in ("bucket", "pack"):
-        if mode in text["batching"]:
+        if mode in text["batching"] and not (mode == "bucket" and text.get("bucket_size")):
             pairs += [(mode, tokens) for tokens in text["tokens_per_batch"]]
     return pairs
 
@@ -190,7 +198,7 @@ def rank(m: Measurements) -> list[dict]:
     def key(r):
         c = r["candidate"]
         rate = r["examples_per_sec"]
-        if own and c.batching != "pad" and c.tokens_per_batch != own:
+        if own and c.tokens_per_batch and c.batching != "pad" and c.tokens_per_batch != own:
             rate *= 1 - TOKEN_BUDGET_MARGIN
         return -rate, min(c.input_threads or m.cores, m.cores)
 
