@@ -343,3 +343,27 @@ def test_classification_buckets_hold_batch_size_texts_and_lm_buckets_a_token_bud
     lm = text.resolve(DataConfig(data_dir=lm_dir, batch_size=16, batching="bucket"),
                       schema_lib.read(lm_dir), True, compiled=("pack",))
     assert len(set(lm.bucket_batch_sizes)) > 1, lm.bucket_batch_sizes
+
+
+def test_a_batch_larger_than_the_split_is_refused_in_its_own_unit(text_dir, lm_dir):
+    """A classifier's bucketed batch is --batch_size texts, a language model's a token
+    budget: each is checked against the split in its own unit, with one line."""
+    from tfspeed.errors import UsageError
+    from tfspeed.training.job import _check_text_batch
+
+    schema = schema_lib.read(text_dir)
+    texts = schema.split("train").num_records
+    config = DataConfig(data_dir=text_dir, batch_size=texts + 2, batching="bucket")
+    batching = text.resolve(config, schema, True, compiled=("pack",))
+    with pytest.raises(UsageError, match=rf"--batch_size={texts + 2} is larger than the "
+                                         rf"{texts} sequences of split 'train'"):
+        _check_text_batch(batching, schema, "train")
+    _check_text_batch(text.resolve(dataclasses.replace(config, batch_size=16), schema, True),
+                      schema, "train")
+    lm = schema_lib.read(lm_dir)
+    tokens = lm.split("train").text["tokens"]
+    big = text.resolve(DataConfig(data_dir=lm_dir, batching="bucket",
+                                  tokens_per_batch=tokens + 8), lm, True)
+    with pytest.raises(UsageError, match=rf"a batch of {tokens + 8} tokens .* is more than "
+                                         rf"the {tokens} tokens of split 'train'"):
+        _check_text_batch(big, lm, "train")

@@ -16,6 +16,7 @@ from tfspeed.tuning import predict, verify
 # rounds each) ends well before it on an idle machine; a loaded one skips second rounds.
 TUNE_BUDGET_S = 150
 TINY = ["--model=transformer", "--width=16", "--depth=1", "--heads=2"]
+BUDGET = "--tokens_per_batch=8192"  # a user's token budget on top of pipelines/text.flags
 
 
 def _text_measurements():
@@ -170,7 +171,7 @@ def test_tuned_text_flags_change_only_what_was_compared(tmp_path):
     input's placement, cache or parse, which no text candidate varies."""
     from tfspeed.tuning import output
 
-    config, args = _text_config(tmp_path)
+    config, args = _text_config(tmp_path, BUDGET)
     m = _costed(held_width=56, **SHORT)
     chosen = {"candidate": predict.Candidate("host", "none", "batched", 1, "float32", "off", 1,
                                              "bucket", 8192),
@@ -186,7 +187,7 @@ def test_tuned_text_flags_change_only_what_was_compared(tmp_path):
 
 
 def test_the_run_of_your_text_flags_is_planned_at_their_own_batching(tmp_path):
-    config, _ = _text_config(tmp_path)
+    config, _ = _text_config(tmp_path, BUDGET)
     m = _costed(held_width=56, **SHORT, job=("bucket", 8192))
     ranked = predict.rank(m)
     yours = verify.user_rate(config, ranked, m)
@@ -209,7 +210,7 @@ def test_your_flags_alone_measured_are_kept_with_what_was_skipped(tmp_path, monk
     flags, nothing changed) and says what it skipped; that run took the job's batching."""
     from tfspeed.tuning import measure, tune
 
-    config, args = _text_config(tmp_path)
+    config, args = _text_config(tmp_path, BUDGET)
     m = _costed(held_width=56, **SHORT)
     budget = verify.Budget(60.0)
     runs = []
@@ -303,8 +304,10 @@ def test_tuned_text_flags_train_with_the_chosen_batching(text_tune, tmp_path):
     best = result["user"]["resolved"] if result["kept_your_flags"] else result["chosen"]["flags"]
     batching = report["input"]["batching"]
     assert batching["mode"] == best["batching"] == result["batching"]
-    if batching["mode"] != "pad":  # a padded batch holds --batch_size sequences
-        assert batching["tokens_per_batch"] == int(best["tokens_per_batch"])
+    if int(best["tokens_per_batch"]):  # a padded batch (a classifier's bucketed one) holds
+        assert batching["tokens_per_batch"] == int(best["tokens_per_batch"])  # its texts
+    else:
+        assert batching["mode"] == "pad" or batching["bucket_size"] == 16
     for name, value in result["tuned_flags"]["changed"].items():
         section = (config.runtime if name in ("precision", "xla") else
                    config.train if name == "steps_per_execution" else config.data)
@@ -339,11 +342,11 @@ def test_a_classifiers_buckets_are_tuned_at_its_batch_size_not_at_a_token_budget
     assert predict.examples_per_batch(buckets[0]["candidate"], m) == 16
     assert "tokens=" not in buckets[0]["candidate"].label()
     assert "tokens_per_batch" not in verify.knob_values(buckets[0]["candidate"])
-    config, args = _text_config(tmp_path, "--tokens_per_batch=0")  # no budget: texts
+    config, args = _text_config(tmp_path)  # the job's own flags: no budget
     written = output.write_flags(str(tmp_path / "tuned.flags"), args, config,
                                  {**buckets[0], "measured": {"examples_per_sec": 850.0}},
                                  {"candidate": None}, m)
     assert written["changed"]["batching"] == "bucket"
     assert "tokens_per_batch" not in written["changed"]
     lines = (tmp_path / "tuned.flags").read_text().splitlines()
-    assert [x for x in lines if x.startswith("--tokens_per_batch")] == ["--tokens_per_batch=0"]
+    assert not [x for x in lines if x.startswith("--tokens_per_batch")]
