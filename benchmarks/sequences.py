@@ -559,7 +559,7 @@ def ratios_of(figures: dict) -> dict:
 def run_rounds(datasets: dict, contenders: list[str], save) -> dict:
     """``--rounds`` rounds; in round r the contenders' order is rotated by r and every
     contender runs with seed ``--seed + r``: accuracy after a pass swings with the seed (one
-    pass of tfspeed's bucket on pydocs: 0.655-0.744 over seeds), so one seed for all rounds
+    pass of tfspeed's bucket on pydocs: 0.655-0.715 over three seeds), so one seed for all rounds
     would give the peers' target no spread. ``save(results, complete)`` is called after
     every contender's run, so that a run cut short keeps its rounds."""
     results = {d: {c: [] for c in contenders} for d in datasets}
