@@ -38,7 +38,7 @@ def test_the_text_job_reaches_the_tensorflow_backends_accuracy(short_texts, tmp_
     """The same text job (short docstrings, the transformer, batching auto) on both
     backends, run side by side: JAX's accuracy is TensorFlow's within the noise of two
     differently initialised runs."""
-    flags = [*jr.TINY_TEXT, "--batch_size=32", "--epochs=2", "--learning_rate=0.003",
+    flags = [*jr.TINY_TEXT, "--batch_size=8", "--epochs=2", "--learning_rate=0.003",
              "--eval_every_epochs=1", f"--data_dir={short_texts}"]
     runs = {backend: subprocess.Popen(
         [sys.executable, "-m", "tfspeed.train", *flags, f"--model_dir={tmp_path / backend}"],
@@ -52,7 +52,8 @@ def test_the_text_job_reaches_the_tensorflow_backends_accuracy(short_texts, tmp_
     assert reference["runtime"]["backend"] == "tensorflow"
     assert report["input"]["batching"]["mode"] == reference["input"]["batching"]["mode"]
     # (Each compile counts against the run on JAX, so auto buckets into fewer widths there:
-    # 6 against 16 here, the same epochs in a different number of batches.)
+    # 6 against 24 here, the same epochs in a different number of batches. At 32 texts a
+    # bucketed batch this small split's long tail shares wide buckets, and both pack.)
     assert len(report["input"]["batching"]["boundaries"]) < len(
         reference["input"]["batching"]["boundaries"])
     assert report["eval_accuracy"] > 0.5 and report["real_tokens_per_sec"] is not None
