@@ -213,8 +213,9 @@ def choose_boundaries(counts, max_length: int, num_buckets: int = 5,
       multiple: candidate boundaries are multiples of this.
       tokens_per_batch, min_batches: with both, every bucket must hold at least
         ``min_batches`` batches of ``tokens_per_batch // boundary`` sequences (of
-        ``batch_size`` if given; ``counts`` being one pass): a bucket that fills less often holds its sequences back for passes
-        while the others' batches go on (``group_by_window`` emits full batches only).
+        ``batch_size`` if given; ``counts`` being one pass): a bucket that fills less often
+        holds its sequences back for passes while the others' batches go on
+        (``group_by_window`` emits full batches only).
         Where no set of boundaries can, the constraint is dropped.
 
     Returns:

@@ -123,8 +123,10 @@ class Batching:
 
     def expected_weight(self, task: str) -> float:
         """What one global batch holds on average: real tokens (lm), or sequences."""
-        if self.mode == "pad" or (self.mode == "bucket" and self.bucket_size):
-            sequences = float(self.bucket_size if self.mode == "bucket" else self.batch_size)
+        if self.mode == "pad":
+            sequences = float(self.batch_size)
+        elif self.mode == "bucket" and self.bucket_size:
+            sequences = float(self.bucket_size)
         else:
             real = self.tokens_per_batch * (1 - self.expected_padding.get(self.mode, 0.0))
             sequences = real / max(self.mean_length, 1.0)
@@ -373,7 +375,7 @@ def bucket_size(config, schema, replicas: int = 1) -> int:
     given ``--tokens_per_batch``: each bucket's batch then holds that many tokens."""
     if schema.task == "lm" or config.tokens_per_batch:
         return 0
-    return sequences.bucket_batch_sizes([1], 0, replicas, config.batch_size)[0]
+    return max(replicas, config.batch_size // replicas * replicas)
 
 
 def _cover(boundaries: list[int], every: dict, max_length: int, long: str) -> list[int]:

@@ -389,13 +389,13 @@ def _check_text_batch(batching, schema, split: str) -> None:
     """Batches of token records: the budget must fit the split (whole batches exist)."""
     stats = schema.split(split).text or {}
     sequences, tokens = schema.split(split).num_records, int(stats.get("tokens", 0))
-    texts = batching.mode == "pad" or batching.bucket_size  # a batch holds --batch_size
+    texts = batching.mode == "pad" or batching.bucket_size > 0  # a batch of --batch_size
     if texts and batching.batch_size > sequences:
         raise UsageError(f"--batch_size={batching.batch_size} is larger than the {sequences} "
                          f"sequences of split {split!r}; lower --batch_size")
     if not texts and tokens and batching.tokens_per_batch > tokens:
         raise UsageError(f"a batch of {batching.tokens_per_batch} tokens (--tokens_per_batch, "
-                         f"or --batch_size x --max_length) is more than the {tokens} tokens of "
+                         f"or --batch_size x the mean length) is more than the {tokens} tokens of "
                          f"split {split!r}; lower --tokens_per_batch or --batch_size")
 
 
