@@ -223,6 +223,10 @@ def test_choose_boundaries_is_optimal_and_predicts_padding():
 def test_bucket_batch_sizes_and_measured_padding_matches_expected():
     assert sequences.bucket_batch_sizes([8, 24, 256], 1000, 4) == [124, 40, 4]
     assert sequences.bucket_batch_sizes([8, 24, 256], 1000) == [125, 41, 3]
+    # Texts a bucket: batch_size, fewer where that is over WIDE_BATCH budgets, never under
+    # batch_size // WIDE_BATCH; no budget: batch_size everywhere.
+    assert sequences.bucket_batch_sizes([8, 128, 256, 512], 1000, 2, 32) == [32, 30, 14, 8]
+    assert sequences.bucket_batch_sizes([8, 512], 0, 2, 32) == [32, 32]
     stats = sequences.TokenStats()
     ds = sequences.bucket(sequences.to_examples(records(), "classification"), BOUNDARIES, 4096,
                           drop_remainder=False)

@@ -74,9 +74,10 @@ class Batching:
       rows_per_batch: rows per packed batch (``pack``), a multiple of the replicas.
       boundaries: the buckets' lengths (``bucket``).
       bucket_batch_sizes: sequences per batch of each bucket, multiples of the replicas.
-      bucket_size: sequences per batch in every bucket (``bucket``, classification, no
+      bucket_size: sequences per batch (``bucket``, classification, no
         ``--tokens_per_batch``: ``--batch_size`` texts, so that every text has the same
-        share of the updates, as in padded batches); 0: each bucket's batch holds the token
+        share of the updates, as in padded batches; fewer only in buckets too wide for
+        ``sequences.WIDE_BATCH`` token budgets); 0: each bucket's batch holds the token
         budget (language models: their loss is a mean over tokens).
       max_segments: S, sequences per row (1 unless packed).
       long: what happens to a sequence longer than ``max_length``.
@@ -183,7 +184,8 @@ def expected_padding(counts: np.ndarray, batch_size: int, shape_cost: float = 0.
         multiples of ``FREE_MULTIPLE``, the least padding.
       tokens_per_batch: a bucketed batch's token budget: every bucket then holds at least
         ``MIN_BUCKET_BATCHES`` batches of ``counts`` (one pass); 0: no such bound.
-      bucket_size: a bucketed batch's sequences, in every bucket (instead of the budget's).
+      bucket_size: a bucketed batch's sequences (``sequences.bucket_batch_sizes``), instead
+        of the budget's.
 
     Returns:
       ``{"pad", "fixed", "bucket", "boundaries", "pad_width"}``: ``pad`` pads a batch of
@@ -331,19 +333,18 @@ def resolve(config, schema, takes_segments: bool = False, replicas: int = 1,
     t = resolve_max_length(max(map(longest, every.values())), config.max_length)
     counts = long_texts.piece_counts(every[split], t, config.long)
     mean = float(np.dot(np.arange(len(counts)), counts)) / max(counts.sum(), 1.0)
-    budget = config.tokens_per_batch or config.batch_size * mean
+    tokens = _tokens_per_batch(config, mean, t, replicas)
     per_bucket = bucket_size(config, schema, replicas)
-    run_batches = run_steps or run_epochs * mean * counts.sum() / max(budget, 1.0)
+    run_batches = run_steps or run_epochs * mean * counts.sum() / tokens
     shape_cost = COMPILE_BATCHES / run_batches if run_batches and compiled else 0.0
     free = compiled is not None and "bucket" not in compiled
     compiled = compiled or ()
     padding = expected_padding(counts, config.batch_size,
-                               shape_cost if "bucket" in compiled else 0.0, free, budget,
+                               shape_cost if "bucket" in compiled else 0.0, free, tokens,
                                per_bucket)
     segments = max(1, t // 8)
     padding["pack"] = pack_padding(counts, t, segments)
     boundaries = _cover(padding["boundaries"], every, t, config.long)
-    tokens = _tokens_per_batch(config, mean, t, boundaries, replicas)
     costs = predicted_costs(counts, padding, t, attention_length, compiled, shape_cost,
                             tokens / replicas)
     mode, reason = config.batching, f"--batching={config.batching}"
@@ -388,11 +389,11 @@ def _cover(boundaries: list[int], every: dict, max_length: int, long: str) -> li
     return [*boundaries[: max(MAX_BUCKETS, len(boundaries)) - 1], need]
 
 
-def _tokens_per_batch(config, mean: float, max_length: int, boundaries, replicas: int) -> int:
+def _tokens_per_batch(config, mean: float, max_length: int, replicas: int) -> int:
     """``--tokens_per_batch``, or by default ``--batch_size`` sequences of the mean length
-    (about as many sequences per update as a padded batch), at least one row (and one
-    sequence of the longest bucket) per replica."""
-    least = max(max_length, boundaries[-1]) * replicas if config.batching != "pad" else 0
+    (about as many sequences per update as a padded batch), at least one row (which holds
+    the longest bucket) per replica."""
+    least = max_length * replicas if config.batching != "pad" else 0
     if config.tokens_per_batch:
         if config.tokens_per_batch < least:
             raise UsageError(
