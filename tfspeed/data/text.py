@@ -64,7 +64,7 @@ class Batching:
 
     Attributes:
       mode: ``pad``, ``bucket`` or ``pack``.
-      reason: one sentence, citing the predicted (or measured) cost of the alternatives.
+      reason: one sentence, citing the predicted cost of the alternatives.
       max_length: T: a packed row's tokens, the last bucket's boundary, the longest a padded
         batch gets. From the data (every split's longest sequence, rounded up to a multiple
         of 8) unless ``--max_length`` is lower; longer sequences follow ``long``.
@@ -93,7 +93,6 @@ class Batching:
         (``tfspeed.data.long_texts.events``).
       mean_length: the train split's mean sequence (piece) length.
       replicas: every global batch's sequences or rows are a multiple of this.
-      measured: what ``--batching=auto`` timed (seconds per real token per mode), when it did.
       free_shapes: no batch shape is compiled (TensorFlow without XLA): up to
         ``FREE_BUCKETS`` buckets, and evaluation's last batch of a bucket is filled only to a
         multiple of the replicas, not to the bucket's full batch.
@@ -115,7 +114,6 @@ class Batching:
     long_counts: dict = dataclasses.field(default_factory=dict)
     mean_length: float = 0.0
     replicas: int = 1
-    measured: dict = dataclasses.field(default_factory=dict)
     free_shapes: bool = False
     bucket_size: int = 0
 
@@ -290,7 +288,7 @@ def compiled_factor(shapes: float, shape_cost: float, batch_tokens: float) -> fl
 
 
 def choose(costs: dict[str, float], takes_segments: bool) -> tuple[str, str]:
-    """What ``--batching=auto`` picks from predicted (or measured) costs, and why: the
+    """What ``--batching=auto`` picks from predicted costs, and why: the
     cheapest of bucket and pack for a model that keeps packed sequences apart; for others
     bucket when it saves at least ``PAD_MARGIN`` over padding each batch to its longest."""
     figures = ", ".join(f"{m} {costs[m]:.2f}" for m in MODES if m in costs)
