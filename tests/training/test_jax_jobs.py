@@ -52,8 +52,7 @@ def test_the_text_job_reaches_the_tensorflow_backends_accuracy(short_texts, tmp_
     assert reference["runtime"]["backend"] == "tensorflow"
     assert report["input"]["batching"]["mode"] == reference["input"]["batching"]["mode"]
     # (Each compile counts against the run on JAX, so auto buckets into fewer widths there:
-    # 6 against 24 here, the same epochs in a different number of batches. At 32 texts a
-    # bucketed batch this small split's long tail shares wide buckets, and both pack.)
+    # 6 against 24 here, the same epochs in a different number of batches.)
     assert len(report["input"]["batching"]["boundaries"]) < len(
         reference["input"]["batching"]["boundaries"])
     assert report["eval_accuracy"] > 0.5 and report["real_tokens_per_sec"] is not None

@@ -59,8 +59,44 @@ def test_auto_takes_the_mode_of_least_predicted_compute(corpora, tmp_path):
     assert batching["mode"] == min(("bucket", "pack"), key=costs.get)
     assert batching["reason"].startswith(f"auto: {batching['mode']}")
     assert f"pack {costs['pack']:.2f}" in batching["reason"]
+    # Two steps leave no room to time the modes: the reason says so, and nothing was.
+    assert "; not timed: " in batching["reason"] and batching["measured"] == {}
     # The transformer's K (width 16, depth 1, 2 heads): its attention is counted.
     assert batching["attention_length"] == pytest.approx(12 * 16 * 16 / (2 * 16 + 19 * 2))
+
+
+def test_auto_times_bucket_and_pack_where_the_run_is_long_enough(short_texts, tmp_path):
+    """Where neither mode is predicted clearly cheaper (within autotune.BATCHING_MARGIN) and
+    a long run has room for it, auto trains fresh copies of the job's model on the same
+    number of each mode's real batches and takes the one with more real tokens/s; the
+    batching is then that mode's own, and report.json's ``measured`` says what was timed."""
+    from tfspeed import runtime
+    from tfspeed.data import schema as schema_lib
+    from tfspeed.training import job
+    from tfspeed.tuning import autotune
+
+    config = _config(short_texts, tmp_path, steps=100_000)
+    # Rows of 64 (longer docstrings split): bucket 2.1 and pack 2.5 units of work per real
+    # token predicted for this model (uncompiled), a call the cost model cannot make alone.
+    config = dataclasses.replace(config, data=dataclasses.replace(config.data, max_length=64))
+    rt = runtime.setup(config.runtime)
+    schema = schema_lib.read(short_texts)
+    predicted = job.resolve_batching(config, rt, schema)
+    costs = predicted.costs
+    assert max(costs["bucket"], costs["pack"]) < autotune.BATCHING_MARGIN * min(
+        costs["bucket"], costs["pack"]), costs  # a close call on this split
+    chosen = job.measure_batching(config, rt, schema, predicted)
+    rates = {m: f["real_tokens_per_sec"] for m, f in chosen.measured.items()}
+    assert set(rates) == {"bucket", "pack"} and min(rates.values()) > 0, chosen.measured
+    bucket = job.resolve_batching(dataclasses.replace(config, data=dataclasses.replace(
+        config.data, batching="bucket")), rt, schema)
+    steps = autotune.batching_probe_steps(len(bucket.boundaries))
+    assert {f["batches"] for f in chosen.measured.values()} == {steps}
+    assert chosen.mode == max(rates, key=rates.get)
+    assert chosen.reason.startswith(f"auto: {chosen.mode}, the more real tokens/s measured")
+    forced = job.resolve_batching(dataclasses.replace(config, data=dataclasses.replace(
+        config.data, batching=chosen.mode)), rt, schema)
+    assert dataclasses.replace(chosen, reason=forced.reason, measured={}) == forced
 
 
 def _checkpoint_files(model_dir):

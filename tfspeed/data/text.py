@@ -93,6 +93,8 @@ class Batching:
         (``tfspeed.data.long_texts.events``).
       mean_length: the train split's mean sequence (piece) length.
       replicas: every global batch's sequences or rows are a multiple of this.
+      measured: what ``--batching=auto`` timed, when it did (``training.job``'s batching
+        probe): real tokens/s of bucket and pack, and the batches each pass held.
       free_shapes: no batch shape is compiled (TensorFlow without XLA): up to
         ``FREE_BUCKETS`` buckets, and evaluation's last batch of a bucket is filled only to a
         multiple of the replicas, not to the bucket's full batch.
@@ -116,6 +118,7 @@ class Batching:
     replicas: int = 1
     free_shapes: bool = False
     bucket_size: int = 0
+    measured: dict = dataclasses.field(default_factory=dict)
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)

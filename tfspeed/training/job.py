@@ -139,7 +139,7 @@ def _build(config: Config, rt, lock: locks.Lock | None, converted_s: float = 0.0
     strategy = rt.strategy
     batching, epoch_batches = None, 0
     if text_lib.is_text(schema):
-        batching = resolve_batching(config, rt, schema)
+        batching = measure_batching(config, rt, schema, resolve_batching(config, rt, schema))
         _check_text_batch(batching, schema, data.train_split)
         rt = runtime.for_batching(rt, config.runtime, batching.mode)
         epoch_batches = max(1, text_lib.batches_per_epoch(batching, schema, data.train_split))
@@ -222,6 +222,73 @@ def resolve_batching(config: Config, rt, schema):
                         compiled=_compiled_modes(config, rt),
                         run_steps=train.train_steps * train.grad_accum_steps,
                         run_epochs=0 if train.train_steps else train.epochs)
+
+
+def measure_batching(config: Config, rt, schema, batching):
+    """``--batching=auto`` by measurement where the prediction is not clear: when neither
+    bucket nor pack is predicted ``autotune.BATCHING_MARGIN`` cheaper and both passes of
+    both modes fit in the probe's share of the run, each mode's own batches (the same
+    number, from the job's pipeline) train a fresh copy of the job's model
+    (``autotune.time_batchings``), and the faster in real tokens/s is taken. Otherwise
+    ``batching`` as predicted, its reason saying why nothing was timed."""
+    import keras
+
+    from tfspeed.data import text as text_lib
+    from tfspeed.training import models
+    from tfspeed.tuning import autotune
+
+    data, train = config.data, config.train
+    costs = batching.costs
+    if data.batching != "auto" or not models.takes_segments(config.model.name):
+        return batching
+    modes = {m: resolve_batching(dataclasses.replace(
+        config, data=dataclasses.replace(data, batching=m)), rt, schema)
+        for m in ("bucket", "pack")}
+    steps = autotune.batching_probe_steps(len(modes["bucket"].boundaries))
+    run_steps = train.train_steps * train.grad_accum_steps or round(
+        train.epochs * text_lib.batches_per_epoch(batching, schema, data.train_split))
+    ratio = max(costs["bucket"], costs["pack"]) / max(min(costs["bucket"], costs["pack"]), 1e-9)
+    if ratio >= autotune.BATCHING_MARGIN:
+        return dataclasses.replace(batching, reason=(
+            f"{batching.reason}; not timed: predicted {ratio:.2f}x apart, beyond the cost "
+            f"model's error"))
+    if not autotune.batching_probe_fits(steps, run_steps):
+        return dataclasses.replace(batching, reason=(
+            f"{batching.reason}; not timed: {4 * steps} probe steps are over "
+            f"{autotune.PROBE_SHARE:.0%} of this run's {run_steps}"))
+    runs = {m: _probe_run(config, rt, schema, b, steps) for m, b in modes.items()}
+    rates = autotune.time_batchings(runs, steps, agree=rt.mean_over_workers,
+                                    progress=logging.info)
+    keras.utils.set_random_seed(data.seed)  # the probe's models drew from the generator
+    mode = max(rates, key=rates.get)
+    figures = ", ".join(f"{m} {r:,.0f}" for m, r in rates.items())
+    reason = (f"auto: {mode}, the more real tokens/s measured over {steps} batches each "
+              f"({figures}; predicted work per real token: bucket {costs['bucket']:.2f}, "
+              f"pack {costs['pack']:.2f})")
+    logging.info("--batching=%s", reason)
+    measured = {m: {"real_tokens_per_sec": round(r, 1), "batches": steps}
+                for m, r in rates.items()}
+    return dataclasses.replace(modes[mode], reason=reason, measured=measured)
+
+
+def _probe_run(config: Config, rt, schema, batching, steps: int):
+    """``(engine, iterator, real tokens)`` for timing ``batching``: the job's model under
+    ``batching``'s runtime (XLA for packed rows), on ``steps`` training batches of its
+    pipeline, held in memory and repeated. Shuffled whatever ``--shuffle`` says: the first
+    batches of a split in its stored order need not be a sample of its lengths."""
+    import numpy as np
+
+    from tfspeed import runtime
+    from tfspeed.data import pipeline
+
+    data = dataclasses.replace(config.data, cache="none", augment=(), shuffle=True)
+    ds = pipeline.build_from_config(data, data.train_split, training=True, schema=schema,
+                                    batching=batching).take(steps).cache()
+    real = sum(int(np.sum(x["segment_ids"].numpy() > 0)) for x, _ in ds)  # fills the cache
+    mode_rt = runtime.for_batching(rt, config.runtime, batching.mode)
+    engine, _ = engine_at(config, mode_rt, schema, pipeline.input_shape(schema, data), None,
+                          mode_rt.plan.precision, batching=batching)
+    return engine, iter(rt.strategy.experimental_distribute_dataset(ds.repeat())), real
 
 
 def _compiled_modes(config: Config, rt) -> tuple[str, ...]:

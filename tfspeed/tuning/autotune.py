@@ -6,6 +6,10 @@
   two whose overhead is at most ``OVERHEAD`` of the call, capped at one epoch per call. A rule
   over a fitted cost model picks the same N in repeated runs, where "the fastest of a few
   noisy sweeps" did not.
+* token batching: ``--batching=auto`` predicts bucket's and pack's work per real token
+  (``tfspeed.data.text``); where neither is predicted clearly cheaper and the run is long
+  enough, the same number of real batches of each, from the job's own pipeline, are timed
+  on fresh copies of the job's model, and the faster in real tokens per second is taken.
 * precision: where the hardware offers bfloat16 on a CPU (the first filter, in
   ``runtime``), a few steps of this very model in float32 and in mixed_bfloat16 decide.
   Small models often run faster in float32: the casts can cost more than the narrower math
@@ -24,6 +28,9 @@ OVERHEAD = 0.02  # the share of a call that its fixed overhead may take
 PROBE_SHARE = 0.05  # of a run's steps, at most, spent probing (they are real steps)
 PROBE_N = 8
 BF16_GAIN = 0.05  # bfloat16 (the hardware rule's choice) is kept only when this much faster
+# --batching=auto times bucket and pack only where neither is predicted this much cheaper: the
+# cost model's predicted/measured ratio has ranged 0.9-1.5 over the benchmark's records.
+BATCHING_MARGIN = 1.5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,3 +173,42 @@ def choose_precision(hardware_choice: str, step_seconds: dict[str, float],
     return "float32", (f"{requested}: measured {figures} for this model: "
                        f"{hardware_choice.removeprefix('mixed_')} is not {BF16_GAIN:.0%} "
                        "faster here, so float32 (exact) is kept")
+
+
+def batching_probe_steps(buckets: int) -> int:
+    """Batches of each mode the batching probe runs per pass: every bucket about twice."""
+    return max(2 * PROBE_N, 2 * buckets)
+
+
+def batching_probe_fits(steps: int, run_steps: int) -> bool:
+    """Whether two modes, each a warm-up pass and a timed pass of ``steps`` batches, fit in
+    ``PROBE_SHARE`` of a run of ``run_steps`` micro-steps (0: unknown, never)."""
+    return run_steps > 0 and 4 * steps <= PROBE_SHARE * run_steps
+
+
+def time_batchings(runs: dict, steps: int, agree=lambda value: value,
+                   progress=None) -> dict[str, float]:
+    """Real tokens per second of each mode's ``engine`` on its own batches.
+
+    Args:
+      runs: ``mode: (engine, iterator, real_tokens)``: the iterator repeats the same
+        ``steps`` batches, holding ``real_tokens`` real tokens (on this worker) in all.
+      steps: batches a pass. Each mode first runs a pass untimed (it traces, and compiles
+        every shape of the sample where shapes compile), then the modes take turns over two
+        timed half passes, so that a shared machine's swings fall on both.
+      agree: averages over the workers of a multi-worker job (seconds per real token).
+    """
+    say = progress or (lambda *args: None)
+    for mode, (engine, iterator, _) in runs.items():
+        say("batching probe: %s, a first pass of %d batches (traces the step)", mode, steps)
+        np.asarray(engine.train(iterator, steps)["loss"])
+    seconds = dict.fromkeys(runs, 0.0)
+    for half in (steps // 2, steps - steps // 2):
+        for mode, (engine, iterator, _) in runs.items():
+            start = time.perf_counter()
+            np.asarray(engine.train(iterator, half)["loss"])
+            seconds[mode] += time.perf_counter() - start
+    rates = {mode: 1.0 / agree(seconds[mode] / max(real, 1))
+             for mode, (_, _, real) in runs.items()}
+    say("batching probe: %s", ", ".join(f"{m} {r:,.0f} real tokens/s" for m, r in rates.items()))
+    return rates
