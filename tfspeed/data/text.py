@@ -64,7 +64,8 @@ class Batching:
 
     Attributes:
       mode: ``pad``, ``bucket`` or ``pack``.
-      reason: one sentence, citing the predicted cost of the alternatives.
+      reason: one sentence, citing the predicted (or measured: ``measured``) figures of
+        the alternatives.
       max_length: T: a packed row's tokens, the last bucket's boundary, the longest a padded
         batch gets. From the data (every split's longest sequence, rounded up to a multiple
         of 8) unless ``--max_length`` is lower; longer sequences follow ``long``.

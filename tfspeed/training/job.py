@@ -241,17 +241,17 @@ def measure_batching(config: Config, rt, schema, batching):
     costs = batching.costs
     if data.batching != "auto" or not models.takes_segments(config.model.name):
         return batching
+    ratio = max(costs["bucket"], costs["pack"]) / max(min(costs["bucket"], costs["pack"]), 1e-9)
+    if ratio >= autotune.BATCHING_MARGIN:
+        return dataclasses.replace(batching, reason=(
+            f"{batching.reason}; not timed: predicted {ratio:.2f}x apart, beyond the cost "
+            f"model's error"))
     modes = {m: resolve_batching(dataclasses.replace(
         config, data=dataclasses.replace(data, batching=m)), rt, schema)
         for m in ("bucket", "pack")}
     steps = autotune.batching_probe_steps(len(modes["bucket"].boundaries))
     run_steps = train.train_steps * train.grad_accum_steps or round(
         train.epochs * text_lib.batches_per_epoch(batching, schema, data.train_split))
-    ratio = max(costs["bucket"], costs["pack"]) / max(min(costs["bucket"], costs["pack"]), 1e-9)
-    if ratio >= autotune.BATCHING_MARGIN:
-        return dataclasses.replace(batching, reason=(
-            f"{batching.reason}; not timed: predicted {ratio:.2f}x apart, beyond the cost "
-            f"model's error"))
     if not autotune.batching_probe_fits(steps, run_steps):
         return dataclasses.replace(batching, reason=(
             f"{batching.reason}; not timed: {4 * steps} probe steps are over "
