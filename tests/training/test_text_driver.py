@@ -90,7 +90,8 @@ def test_auto_times_bucket_and_pack_where_the_run_is_long_enough(short_texts, tm
     assert set(rates) == {"bucket", "pack"} and min(rates.values()) > 0, chosen.measured
     bucket = job.resolve_batching(dataclasses.replace(config, data=dataclasses.replace(
         config.data, batching="bucket")), rt, schema)
-    steps = autotune.batching_probe_steps(len(bucket.boundaries))
+    # A run this long times every bucket about twice.
+    steps = max(2 * autotune.PROBE_N, 2 * len(bucket.boundaries))
     assert {f["batches"] for f in chosen.measured.values()} == {steps}
     assert chosen.mode == max(rates, key=rates.get)
     assert chosen.reason.startswith(f"auto: {chosen.mode}, the more real tokens/s measured")

@@ -96,3 +96,26 @@ def test_the_precision_probe_is_bounded_by_the_runs_length():
     assert autotune.probe_rounds(5, 64, 2, run_steps=2_000) == 1
     assert autotune.probe_rounds(5, 8, 2, run_steps=1_000) == 3  # 50 // 16
     assert autotune.probe_rounds(5, 8, 2, run_steps=0) == 5  # the run's length is unknown
+
+
+def _probe_share(steps: int, batches: dict, passes: float) -> float:
+    """The share of a run's real tokens that a batching probe of ``steps`` batches of each
+    mode (a warm-up and a timed pass) trains on: each mode's batch holds 1/batches of a pass."""
+    return 2 * steps * sum(1 / n for n in batches.values()) / passes
+
+
+def test_the_batching_probe_is_sized_by_the_runs_tokens_not_the_predicted_modes_steps():
+    # pydocs, 42 passes: 21 buckets, 82 bucketed and 67 packed batches a pass. Counted in the
+    # packed batches (pack predicted), the old gate shut out a probe that fits in bucketed ones;
+    # the probe's share of the run is its share of real tokens, whichever mode was predicted.
+    batches = {"bucket": 82, "pack": 67}
+    steps = autotune.batching_probe_steps(21, batches, run_passes=42)
+    assert 2 * autotune.PROBE_N <= steps <= 42
+    assert _probe_share(steps, batches, 42) <= autotune.PROBE_SHARE
+    assert _probe_share(steps + 1, batches, 42) > autotune.PROBE_SHARE  # as many as fit
+    # A long run times every bucket twice, and no more.
+    assert autotune.batching_probe_steps(21, batches, run_passes=1000) == 42
+    assert autotune.batching_probe_steps(3, batches, run_passes=1000) == 2 * autotune.PROBE_N
+    # Three passes hold no probe of even 16 batches a mode: 0, nothing timed.
+    assert autotune.batching_probe_steps(21, batches, run_passes=3) == 0
+    assert autotune.batching_probe_steps(21, {"bucket": 5000, "pack": 4000}, 3) == 42

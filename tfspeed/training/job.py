@@ -249,13 +249,16 @@ def measure_batching(config: Config, rt, schema, batching):
     modes = {m: resolve_batching(dataclasses.replace(
         config, data=dataclasses.replace(data, batching=m)), rt, schema)
         for m in ("bucket", "pack")}
-    steps = autotune.batching_probe_steps(len(modes["bucket"].boundaries))
-    run_steps = train.train_steps * train.grad_accum_steps or round(
-        train.epochs * text_lib.batches_per_epoch(batching, schema, data.train_split))
-    if not autotune.batching_probe_fits(steps, run_steps):
+    batches = {m: max(text_lib.batches_per_epoch(b, schema, data.train_split), 1)
+               for m, b in modes.items()}
+    # A run given in steps: as many passes as its steps are of the mode with more batches.
+    passes = (train.train_steps * train.grad_accum_steps / max(batches.values())
+              if train.train_steps else train.epochs)
+    steps = autotune.batching_probe_steps(len(modes["bucket"].boundaries), batches, passes)
+    if not steps:
         return dataclasses.replace(batching, reason=(
-            f"{batching.reason}; not timed: {4 * steps} probe steps are over "
-            f"{autotune.PROBE_SHARE:.0%} of this run's {run_steps}"))
+            f"{batching.reason}; not timed: a probe of {2 * autotune.PROBE_N} batches of each "
+            f"mode is over {autotune.PROBE_SHARE:.0%} of this run ({passes:.3g} passes)"))
     runs = {m: _probe_run(config, rt, schema, b, steps) for m, b in modes.items()}
     rates = autotune.time_batchings(runs, steps, agree=rt.mean_over_workers,
                                     progress=logging.info)

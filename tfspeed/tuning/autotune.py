@@ -175,15 +175,24 @@ def choose_precision(hardware_choice: str, step_seconds: dict[str, float],
                        "faster here, so float32 (exact) is kept")
 
 
-def batching_probe_steps(buckets: int) -> int:
-    """Batches of each mode the batching probe runs per pass: every bucket about twice."""
-    return max(2 * PROBE_N, 2 * buckets)
+def batching_probe_steps(buckets: int, batches: dict[str, float], run_passes: float) -> int:
+    """Batches of each mode the batching probe runs a pass: every bucket about twice, fewer
+    where that would take over ``PROBE_SHARE`` of the run, 0 where not even ``2 * PROBE_N``
+    fit (nothing is timed then).
 
+    The share is of the run's real tokens, which both modes train on alike: a mode's batch
+    holds 1/``batches[mode]`` of a pass, and the probe runs a warm-up and a timed pass of each
+    mode. So its size does not depend on which mode the cost model predicted.
 
-def batching_probe_fits(steps: int, run_steps: int) -> bool:
-    """Whether two modes, each a warm-up pass and a timed pass of ``steps`` batches, fit in
-    ``PROBE_SHARE`` of a run of ``run_steps`` micro-steps (0: unknown, never)."""
-    return run_steps > 0 and 4 * steps <= PROBE_SHARE * run_steps
+    Args:
+      buckets: the bucketed batching's buckets.
+      batches: each mode's training batches in one pass over the train split.
+      run_passes: the run's length in passes over the train split.
+    """
+    want = max(2 * PROBE_N, 2 * buckets)
+    fit = int(PROBE_SHARE * run_passes / (2 * sum(1 / max(n, 1) for n in batches.values())))
+    steps = min(want, fit)
+    return steps if steps >= 2 * PROBE_N else 0
 
 
 def time_batchings(runs: dict, steps: int, agree=lambda value: value,
