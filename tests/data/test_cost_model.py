@@ -51,7 +51,8 @@ def median_rate(figures: dict, contender: str) -> float:
     return statistics.median(r["real_tokens_per_sec"] for r in figures[contender]["rounds"])
 
 
-def steady_cost(batching: dict, mode: str, attention_length: float, xla: bool) -> float:
+def steady_cost(batching: dict, mode: str, attention_length: float, xla: bool,
+                task: str) -> float:
     """A mode's predicted work per real token without compiles (the record's rates leave the
     first step out), recomputed from the record's batching figures."""
     if mode == "pack":
@@ -60,7 +61,7 @@ def steady_cost(batching: dict, mode: str, attention_length: float, xla: bool) -
     else:
         cost = batching["costs"]["bucket"]  # uncompiled in the record (checked below)
     tokens = batching["tokens_per_batch"] / batching["replicas"]
-    return cost * (text.compiled_factor(1, 0.0, tokens) if xla else 1.0)
+    return cost * (text.compiled_factor(1, 0.0, tokens, task) if xla else 1.0)
 
 
 def ratios(record: dict, name: str) -> tuple[float, float]:
@@ -74,7 +75,7 @@ def ratios(record: dict, name: str) -> tuple[float, float]:
     runs = {mode: figures[f"tfspeed_{mode}"]["rounds"][0] for mode in ("bucket", "pack")}
     assert runs["bucket"]["batching"]["attention_length"] == pytest.approx(k, rel=1e-6)
     assert not runs["bucket"]["xla"], "bucket's recorded cost is an uncompiled one"
-    cost = {mode: steady_cost(run["batching"], mode, k, run["xla"])
+    cost = {mode: steady_cost(run["batching"], mode, k, run["xla"], task)
             for mode, run in runs.items()}
     measured = median_rate(figures, "tfspeed_pack") / median_rate(figures, "tfspeed_bucket")
     return cost["bucket"] / cost["pack"], measured

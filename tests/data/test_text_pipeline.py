@@ -177,7 +177,7 @@ def test_a_compiled_mode_pays_its_compiles_and_runs_its_steps_faster(text_dir):
                                 compiled=("pack",), run_steps=steps) for steps in (40, 4000))
     for run, steps in ((short, 40), (long, 4000)):
         assert run.costs["bucket"] == plain.costs["bucket"]
-        gain = text.xla_gain(run.tokens_per_batch)
+        gain = text.xla_gain(run.tokens_per_batch, schema.task)
         assert run.costs["pack"] == pytest.approx(
             plain.costs["pack"] * (1 + text.COMPILE_BATCHES / steps) / gain, rel=1e-3)
         assert run.mode == min(("bucket", "pack"), key=run.costs.get)

@@ -45,16 +45,18 @@ PAD_MARGIN = 0.05
 COMPILE_BATCHES = 20.0
 # ... and once compiled, a step runs faster, the more so the fewer tokens a replica's batch
 # holds: XLA fuses the step's many small ops, whose fixed cost small batches feel most. The
-# gain is ``XLA_GAIN * (1 + XLA_OVERHEAD_TOKENS / tokens)``: fitted on the steady rates of
-# packed rows with XLA against bucketed rows without it, given the work ``predicted_costs``
+# gain is ``XLA_GAIN[task] * (1 + XLA_OVERHEAD_TOKENS / tokens)``: fitted on the steady rates
+# of packed rows with XLA against bucketed rows without it, given the work ``predicted_costs``
 # puts in each (the transformer of benchmarks/sequences.py, 2 cores, the records of a quiet
-# machine from sequences-2026-11-27-auto.json on): the median gain the records imply is
-# 1.18 at 8,192 tokens a batch (pystdlib; 1.10-1.24) and 1.71 at 1,536 (pydocs and
-# pydoc_lm; 1.16-1.74, pack's rate on short texts swings most). It decides only between a
-# compiled mode and one that is not (TensorFlow on a CPU compiles packed rows alone);
-# ``tests/data/test_cost_model.py`` holds it against those records.
-XLA_GAIN = 1.06
-XLA_OVERHEAD_TOKENS = 950.0
+# machine from sequences-2026-11-27-auto.json on). The medians the records imply: a
+# classifier 1.13 at 8,192 tokens a batch (pystdlib; 1.01-1.24) and 1.47 at 1,285-1,536
+# (pydocs; 1.15-1.72), a language model 1.74 at 1,536 (pydoc_lm; 1.59-1.79): an lm projects
+# and scores every position over the whole vocabulary, more for XLA to fuse than a
+# classifier's one pooled output. It decides only between a compiled mode and one that is
+# not (TensorFlow on a CPU compiles packed rows alone); ``tests/data/test_cost_model.py``
+# holds it against those records.
+XLA_GAIN = {"classification": 1.05, "lm": 1.25}
+XLA_OVERHEAD_TOKENS = 600.0
 MODES = ("pad", "bucket", "pack")
 
 
@@ -245,14 +247,14 @@ def pack_padding(counts: np.ndarray, max_length: int, max_segments: int,
 
 def predicted_costs(counts: np.ndarray, padding: dict, max_length: int,
                     attention_length: float | None, compiled=(),
-                    shape_cost: float = 0.0,
-                    batch_tokens: float = float("inf")) -> dict[str, float]:
+                    shape_cost: float = 0.0, batch_tokens: float = float("inf"),
+                    task: str = "classification") -> dict[str, float]:
     """Compute per real token of each mode, in units of the per-token work: a row of width
     w costs each of its tokens ``1 + w / K`` (K = ``attention_length``: a token attends to
     all w positions of its row, the masked ones too), and padding costs as real tokens.
     A mode in ``compiled`` pays a compile per batch shape, each ``shape_cost`` of the run:
     one for packed rows, one per bucket, one per width for padded batches; its steps then
-    cost ``1 / xla_gain(batch_tokens)`` of an uncompiled one's (``batch_tokens``: a
+    cost ``1 / xla_gain(batch_tokens, task)`` of an uncompiled one's (``batch_tokens``: a
     replica's tokens per batch)."""
     k = attention_length or float("inf")
     real = float(np.dot(np.arange(len(counts)), counts)) or 1.0
@@ -267,8 +269,8 @@ def predicted_costs(counts: np.ndarray, padding: dict, max_length: int,
         lower = boundary
     shapes = {"pad": float(np.count_nonzero(counts)), "bucket": len(padding["boundaries"]),
               "pack": 1}
-    compile_ = {m: compiled_factor(shapes[m], shape_cost, batch_tokens) if m in compiled else 1.0
-                for m in shapes}
+    compile_ = {m: compiled_factor(shapes[m], shape_cost, batch_tokens, task)
+                if m in compiled else 1.0 for m in shapes}
     return {"pad": round(row_cost(padding["pad_width"], k, padding["pad"]) * compile_["pad"], 4),
             "bucket": round(bucketed / real * compile_["bucket"], 4),
             "pack": round(row_cost(max_length, k, padding["pack"]) * compile_["pack"], 4)}
@@ -280,15 +282,18 @@ def row_cost(width: int, attention_length: float, padding: float) -> float:
     return (1.0 + width / attention_length) / max(1 - padding, 1e-3)
 
 
-def xla_gain(batch_tokens: float) -> float:
-    """How much faster a compiled step runs, for batches of ``batch_tokens`` per replica."""
-    return XLA_GAIN * (1 + XLA_OVERHEAD_TOKENS / max(batch_tokens, 1.0))
+def xla_gain(batch_tokens: float, task: str = "classification") -> float:
+    """How much faster a compiled step of ``task``'s model runs, for batches of
+    ``batch_tokens`` per replica."""
+    gain = XLA_GAIN.get(task, XLA_GAIN["classification"])
+    return gain * (1 + XLA_OVERHEAD_TOKENS / max(batch_tokens, 1.0))
 
 
-def compiled_factor(shapes: float, shape_cost: float, batch_tokens: float) -> float:
+def compiled_factor(shapes: float, shape_cost: float, batch_tokens: float,
+                    task: str = "classification") -> float:
     """What compiling every batch shape does to a mode's cost: ``shapes`` compiles of
-    ``shape_cost`` of the run each, then steps ``xla_gain(batch_tokens)`` faster."""
-    return (1 + shapes * shape_cost) / xla_gain(batch_tokens)
+    ``shape_cost`` of the run each, then steps ``xla_gain(batch_tokens, task)`` faster."""
+    return (1 + shapes * shape_cost) / xla_gain(batch_tokens, task)
 
 
 def choose(costs: dict[str, float], takes_segments: bool) -> tuple[str, str]:
@@ -348,7 +353,7 @@ def resolve(config, schema, takes_segments: bool = False, replicas: int = 1,
     padding["pack"] = pack_padding(counts, t, segments)
     boundaries = _cover(padding["boundaries"], every, t, config.long)
     costs = predicted_costs(counts, padding, t, attention_length, compiled, shape_cost,
-                            tokens / replicas)
+                            tokens / replicas, schema.task)
     mode, reason = config.batching, f"--batching={config.batching}"
     if mode == "auto":
         mode, reason = choose(costs, takes_segments)
