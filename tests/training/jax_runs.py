@@ -30,6 +30,35 @@ def train(data_dir, model_dir, *flags, check=True):
     return done
 
 
+# The driver's jobs one after another in one process: each parsed from its flags and run as
+# ``python -m tfspeed.train`` runs it, in a fresh Keras session (its layers named as in a
+# process of its own).
+_TOGETHER = """
+import json, sys
+import keras
+from absl import flags
+from tfspeed.config import flags as tfspeed_flags
+from tfspeed.training.run import run
+for argv in json.loads(sys.argv[1]):
+    flags.FLAGS.unparse_flags()
+    tfspeed_flags.parse(["tfspeed.train", *argv])
+    keras.backend.clear_session()
+    run(tfspeed_flags.to_config())
+"""
+
+
+def train_together(*runs):
+    """``train`` for each ``(data_dir, model_dir, *flags)`` of ``runs``, in order, in one JAX
+    process (a JAX process takes about 25 CPU-s to start). Its CPU devices are the first
+    job's ``--cpu_replicas``: list a job that splits the CPU first."""
+    argvs = [["--log_every=5", *flags, f"--data_dir={data_dir}", f"--model_dir={model_dir}"]
+             for data_dir, model_dir, *flags in runs]
+    done = subprocess.run([sys.executable, "-c", _TOGETHER, json.dumps(argvs)], cwd=REPO,
+                          env=env(), capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
 def report(model_dir) -> dict:
     return json.loads((model_dir / "report.json").read_text())
 

@@ -22,14 +22,16 @@ def test_accumulation_and_two_devices_equal_one_big_batch_under_sgd(digits_dir, 
               "--precision=float32", "--noshuffle", "--eval_split=", "--steps_per_execution=4",
               "--train_steps=12"]
     split, whole, half = tmp_path / "split", tmp_path / "whole", tmp_path / "half"
-    jr.train(digits_dir, split, *common, "--input_placement=device", "--batch_size=32",
-           "--grad_accum_steps=2", "--strategy=mirrored", "--cpu_replicas=2")
-    jr.train(digits_dir, whole, *common, "--input_placement=host", "--batch_size=64")
+    jr.train_together(
+        (digits_dir, split, *common, "--input_placement=device", "--batch_size=32",
+         "--grad_accum_steps=2", "--strategy=mirrored", "--cpu_replicas=2"),
+        (digits_dir, whole, *common, "--input_placement=host", "--batch_size=64"),
+        (digits_dir, half, *common, "--input_placement=host", "--batch_size=32"))
     assert jr.report(split)["runtime"]["num_replicas"] == 2
+    assert jr.report(whole)["runtime"]["num_replicas"] == 1
     assert jr.report(split)["input"]["placement"]["where"] == "device"
     assert jr.report(whole)["input"]["placement"]["where"] == "host"
     jr.close(split, whole)
-    jr.train(digits_dir, half, *common, "--input_placement=host", "--batch_size=32")
     worst = max(float(np.abs(a - b).max()) for a, b in zip(jr.weights(half), jr.weights(whole),
                                                             strict=True))
     assert worst > 1e-3
@@ -44,9 +46,11 @@ def test_token_losses_are_exact_under_accumulation_and_two_devices(text_dirs, tm
               "--learning_rate=0.1", "--precision=float32", "--noshuffle", "--deterministic",
               "--eval_split=", "--train_steps=6", "--cache=memory"]
     split, whole = tmp_path / "split", tmp_path / "whole"
-    jr.train(text_dirs[task], split, *common, "--tokens_per_batch=256", "--grad_accum_steps=2",
-           "--strategy=mirrored", "--cpu_replicas=2")
-    jr.train(text_dirs[task], whole, *common, "--tokens_per_batch=512")
+    jr.train_together(
+        (text_dirs[task], split, *common, "--tokens_per_batch=256", "--grad_accum_steps=2",
+         "--strategy=mirrored", "--cpu_replicas=2"),
+        (text_dirs[task], whole, *common, "--tokens_per_batch=512"))
+    assert jr.report(whole)["runtime"]["num_replicas"] == 1
     jr.close(split, whole)
     report = jr.report(split)
     assert report["input"]["batching"]["mode"] == "pack" and report["padding_fraction"] < 0.2
