@@ -146,6 +146,9 @@ class JaxEngine:
             self._last_shape = _shape_key(group[0])
             self._signatures.add((self._last_shape, slots))
             stacked = self._placement.batches(group + group[-1:] * (slots - len(group)))
+            # The running sums placed alike in every run: a host array in the first and the
+            # previous run's device array in the next would be two programs for one shape.
+            totals, tokens = self._placement.replicate((totals, tokens))
             self._state, totals, tokens, out = self._run(
                 self._state, stacked, np.int32(len(group)), totals, tokens, np.float32(steps))
         return {**out, "input_wait_s": np.float64(waited)}
