@@ -13,20 +13,44 @@ import pytest
 from tests.conftest import REPO
 from tests.training import jax_runs as jr
 
+DIGITS = ["--model=mlp", "--width=32", "--optimizer=sgd", "--learning_rate=0.05",
+          "--precision=float32", "--noshuffle", "--eval_split=", "--steps_per_execution=4",
+          "--train_steps=12"]
+TEXT = [*jr.TINY_TEXT, "--batching=pack", "--max_length=64", "--optimizer=sgd",
+        "--learning_rate=0.1", "--precision=float32", "--noshuffle", "--deterministic",
+        "--eval_split=", "--train_steps=6", "--cache=memory"]
+KILLED = ["--model=mlp", "--width=16", "--precision=float32", "--noshuffle",
+          "--input_placement=host", "--batch_size=32", "--steps_per_execution=1",
+          "--train_steps=60", "--checkpoint_every=1", "--log_every=50", "--eval_split="]
 
-def test_accumulation_and_two_devices_equal_one_big_batch_under_sgd(digits_dir, tmp_path):
+
+@pytest.fixture(scope="module")
+def runs(digits_dir, text_dirs, tmp_path_factory):
+    """This module's uninterrupted jobs, one after another in one JAX process (each JAX
+    process starts in about 25 CPU-s), two CPU devices split first: each test reads its own
+    model dirs. Runs of ``python -m tfspeed.train``'s own parse and library call."""
+    root = tmp_path_factory.mktemp("jax_runs")
+    jobs = [(digits_dir, root / "digits_split", *DIGITS, "--input_placement=device",
+             "--batch_size=32", "--grad_accum_steps=2", "--strategy=mirrored",
+             "--cpu_replicas=2"),
+            (digits_dir, root / "digits_whole", *DIGITS, "--input_placement=host",
+             "--batch_size=64"),
+            (digits_dir, root / "digits_half", *DIGITS, "--input_placement=host",
+             "--batch_size=32"),
+            (digits_dir, root / "straight", *KILLED)]
+    for task in ("classification", "lm"):
+        jobs += [(text_dirs[task], root / f"{task}_split", *TEXT, "--tokens_per_batch=256",
+                  "--grad_accum_steps=2", "--strategy=mirrored", "--cpu_replicas=2"),
+                 (text_dirs[task], root / f"{task}_whole", *TEXT, "--tokens_per_batch=512")]
+    jr.train_together(*jobs)
+    return root
+
+
+def test_accumulation_and_two_devices_equal_one_big_batch_under_sgd(runs):
     """Two CPU devices and two micro-batches an update, on the split held on the devices,
     train as one device on tf.data batches of four times the size (the data in a fixed
     order): the in-step and the host paths alike; a factor-2 control moves elsewhere."""
-    common = ["--model=mlp", "--width=32", "--optimizer=sgd", "--learning_rate=0.05",
-              "--precision=float32", "--noshuffle", "--eval_split=", "--steps_per_execution=4",
-              "--train_steps=12"]
-    split, whole, half = tmp_path / "split", tmp_path / "whole", tmp_path / "half"
-    jr.train_together(
-        (digits_dir, split, *common, "--input_placement=device", "--batch_size=32",
-         "--grad_accum_steps=2", "--strategy=mirrored", "--cpu_replicas=2"),
-        (digits_dir, whole, *common, "--input_placement=host", "--batch_size=64"),
-        (digits_dir, half, *common, "--input_placement=host", "--batch_size=32"))
+    split, whole, half = runs / "digits_split", runs / "digits_whole", runs / "digits_half"
     assert jr.report(split)["runtime"]["num_replicas"] == 2
     assert jr.report(whole)["runtime"]["num_replicas"] == 1
     assert jr.report(split)["input"]["placement"]["where"] == "device"
@@ -38,30 +62,20 @@ def test_accumulation_and_two_devices_equal_one_big_batch_under_sgd(digits_dir, 
 
 
 @pytest.mark.parametrize("task", ["classification", "lm"])
-def test_token_losses_are_exact_under_accumulation_and_two_devices(text_dirs, tmp_path, task):
+def test_token_losses_are_exact_under_accumulation_and_two_devices(runs, task):
     """Packed rows, SGD: two devices and two micro-batches of 4 rows train as one device on
     8 rows (the packed row stream does not depend on the batch; the loss is per real
     token or sequence however they fall)."""
-    common = [*jr.TINY_TEXT, "--batching=pack", "--max_length=64", "--optimizer=sgd",
-              "--learning_rate=0.1", "--precision=float32", "--noshuffle", "--deterministic",
-              "--eval_split=", "--train_steps=6", "--cache=memory"]
-    split, whole = tmp_path / "split", tmp_path / "whole"
-    jr.train_together(
-        (text_dirs[task], split, *common, "--tokens_per_batch=256", "--grad_accum_steps=2",
-         "--strategy=mirrored", "--cpu_replicas=2"),
-        (text_dirs[task], whole, *common, "--tokens_per_batch=512"))
+    split, whole = runs / f"{task}_split", runs / f"{task}_whole"
     assert jr.report(whole)["runtime"]["num_replicas"] == 1
     jr.close(split, whole)
     report = jr.report(split)
     assert report["input"]["batching"]["mode"] == "pack" and report["padding_fraction"] < 0.2
 
 
-def test_sigkill_then_the_same_command_ends_with_the_sameweights(digits_dir, tmp_path):
-    command = [sys.executable, "-m", "tfspeed.train", f"--data_dir={digits_dir}",
-               "--model=mlp", "--width=16", "--precision=float32", "--noshuffle",
-               "--input_placement=host", "--batch_size=32", "--steps_per_execution=1",
-               "--train_steps=60", "--checkpoint_every=1", "--log_every=50", "--eval_split="]
-    killed_dir, straight_dir = tmp_path / "killed", tmp_path / "straight"
+def test_sigkill_then_the_same_command_ends_with_the_sameweights(digits_dir, runs, tmp_path):
+    command = [sys.executable, "-m", "tfspeed.train", f"--data_dir={digits_dir}", *KILLED]
+    killed_dir, straight_dir = tmp_path / "killed", runs / "straight"
     process = subprocess.Popen([*command, f"--model_dir={killed_dir}"], cwd=REPO, env=jr.env(),
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 300
@@ -72,10 +86,9 @@ def test_sigkill_then_the_same_command_ends_with_the_sameweights(digits_dir, tmp
         time.sleep(0.01)
     process.send_signal(signal.SIGKILL)
     assert process.wait(timeout=30) == -signal.SIGKILL
-    for model_dir in (killed_dir, straight_dir):
-        done = subprocess.run([*command, f"--model_dir={model_dir}"], cwd=REPO, env=jr.env(),
-                              capture_output=True, text=True, timeout=600)
-        assert done.returncode == 0, done.stderr[-3000:]
+    done = subprocess.run([*command, f"--model_dir={killed_dir}"], cwd=REPO, env=jr.env(),
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
     resumed = jr.report(killed_dir)
     assert 0 < resumed["resumed_from_update"] < 60
     assert resumed["optimizer_updates"] == jr.report(straight_dir)["optimizer_updates"] == 60
