@@ -25,7 +25,7 @@ import time
 import numpy as np
 
 OVERHEAD = 0.02  # the share of a call that its fixed overhead may take
-PROBE_SHARE = 0.05  # of a run's steps, at most, spent probing (they are real steps)
+PROBE_SHARE = 0.05  # of a run, at most, spent probing: its steps (the batching probe: its real tokens)
 PROBE_N = 8
 BF16_GAIN = 0.05  # bfloat16 (the hardware rule's choice) is kept only when this much faster
 # --batching=auto times bucket and pack only where neither is predicted this much cheaper: the
