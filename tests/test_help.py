@@ -1,6 +1,7 @@
 """``--help`` on every command: its own flags, with their help and defaults, exit status 0,
 and no TensorFlow start before printing them."""
 
+import functools
 import os
 import subprocess
 import sys
@@ -34,15 +35,21 @@ COMMANDS = {
     "tfspeed.launch": (["--workers", "--max_restarts"], ["--batching"]),
     "tfspeed.data_service": (["--dispatcher", "--work_dir", "--port"], ["--batching"]),
     "scripts/to_tfrecord.py": (["--source", "--output", "--tokenizer"], ["--batching"]),
+    "tfspeed.bench": (["compare", "--threshold"], ["--batching"]),
 }
+
+@functools.cache
+def _help(command: str) -> subprocess.CompletedProcess:
+    """``command --help``, run once per test session (each run starts a Python process)."""
+    target = str(REPO / command) if command.endswith(".py") else command
+    return subprocess.run([sys.executable, "-c", _RUN, target, "--help"], cwd=REPO,
+                          env={**os.environ, "PYTHONPATH": str(REPO)},
+                          capture_output=True, text=True, timeout=120)
 
 
 @pytest.mark.parametrize("command", sorted(COMMANDS))
 def test_help_lists_the_commands_own_flags_and_exits_0(command):
-    target = str(REPO / command) if command.endswith(".py") else command
-    run = subprocess.run([sys.executable, "-c", _RUN, target, "--help"], cwd=REPO,
-                         env={**os.environ, "PYTHONPATH": str(REPO)},
-                         capture_output=True, text=True, timeout=120)
+    run = _help(command)
     assert run.returncode == 0, (run.stdout[-2000:], run.stderr[-2000:])
     listed, unlisted = COMMANDS[command]
     help_text = run.stdout
@@ -52,3 +59,13 @@ def test_help_lists_the_commands_own_flags_and_exits_0(command):
         assert flag not in help_text, (flag, help_text)
     assert "default" in help_text  # each flag's default is shown
     assert help_text.rstrip().endswith("tensorflow imported: False"), help_text[-500:]
+
+
+def test_bench_compare_help_exits_0():
+    """``compare --help`` gives compare's own help, not "compare needs two records"."""
+    run = subprocess.run([sys.executable, "-m", "tfspeed.bench", "compare", "--help"],
+                         cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    assert "--threshold" in run.stdout and "OLD.json" in run.stdout, run.stdout
+

@@ -303,9 +303,12 @@ def compare_main(argv: list[str]) -> int:
 
     from tfspeed.errors import UsageError
 
-    parser = argparse.ArgumentParser(prog="python -m tfspeed.bench compare")
-    parser.add_argument("old")
-    parser.add_argument("new")
+    parser = argparse.ArgumentParser(
+        prog="python -m tfspeed.bench compare",
+        description="Compares two JSON records of one benchmark (benchmarks/*.py print them) "
+                    "and exits 1 when a figure regressed beyond --threshold.")
+    parser.add_argument("old", metavar="OLD.json")
+    parser.add_argument("new", metavar="NEW.json")
     parser.add_argument("--threshold", type=float, default=0.10,
                         help="relative change counted as a regression (default 0.10)")
     args = parser.parse_args(argv)
@@ -331,8 +334,11 @@ def main(argv: list[str] | None = None) -> int:
     import sys
 
     from tfspeed.errors import UsageError, exit_on_usage_error
+    from tfspeed.util.cli import HELP_ARGS, HELPFULL_ARGS
 
     argv = sys.argv[1:] if argv is None else argv
+    if any(arg in HELP_ARGS + HELPFULL_ARGS for arg in argv):
+        return compare_main(["--help"])  # the one subcommand's help; argparse exits 0
     if not argv or argv[0] != "compare":
         print("usage: python -m tfspeed.bench compare OLD.json NEW.json [--threshold=0.1]",
               file=sys.stderr)
