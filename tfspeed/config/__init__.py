@@ -113,8 +113,9 @@ class DataConfig:
         "auto", "Token records (text): pad (each batch to its longest, the TF guide's "
                 "padded_batch), bucket (batches of similar lengths, each padded to its bucket's "
                 "boundary: one compiled shape per bucket), pack (whole sequences first-fit into "
-                "rows of --max_length, with segment ids); auto: from the measured padding and "
-                "whether the model takes segment ids (report.json says why).",
+                "rows of --max_length, with segment ids); auto: the mode predicted to cost "
+                "least per real token for this data and model, timed where bucket and pack come "
+                "close (docs/text.md; report.json says why).",
         choices=BATCHINGS)
     tokens_per_batch: int = option(
         0, "Token budget of one global batch for bucket and pack: a bucket of length L takes "
@@ -156,9 +157,9 @@ class ModelConfig:
     """Which model to build (``tfspeed.training.models``)."""
 
     name: str = option(
-        "cnn", "mlp, cnn, resnet50, mobilenetv2, or your own as package.module:function "
-               "(function(input_shape, num_outputs) -> keras.Model, importable from the working "
-               "directory or PYTHONPATH).", flag="model")
+        "cnn", "mlp, cnn, resnet50, mobilenetv2, transformer (text), or your own as "
+               "package.module:function (function(input_shape, num_outputs) -> keras.Model, "
+               "importable from the working directory or PYTHONPATH).", flag="model")
     width: int = option(0, "Model base width (units, filters, or the transformer's model "
                            "width); 0 takes the model's default.")
     depth: int = option(0, "Transformer blocks; 0: the model's default (2).")
