@@ -3,6 +3,7 @@ and no TensorFlow start before printing them."""
 
 import functools
 import os
+import re
 import subprocess
 import sys
 
@@ -38,6 +39,14 @@ COMMANDS = {
     "tfspeed.bench": (["compare", "--threshold"], ["--batching"]),
 }
 
+# Flags the docs name that belong to other tools: Apache Beam's inside --beam_options,
+# TensorBoard's --logdir and pip's --no-deps.
+OTHER_TOOLS_FLAGS = {"direct_num_workers", "direct_running_mode", "logdir", "no-deps"}
+# Pages whose flags are tfspeed's; docs/benchmarks.md also names the benchmark scripts' own.
+DOCS = [REPO / "README.md",
+        *(page for page in sorted((REPO / "docs").glob("*.md")) if page.name != "benchmarks.md")]
+
+
 @functools.cache
 def _help(command: str) -> subprocess.CompletedProcess:
     """``command --help``, run once per test session (each run starts a Python process)."""
@@ -69,3 +78,16 @@ def test_bench_compare_help_exits_0():
     assert run.returncode == 0, run.stderr
     assert "--threshold" in run.stdout and "OLD.json" in run.stdout, run.stdout
 
+
+def test_every_flag_the_docs_name_is_a_commands_flag():
+    """A renamed or removed flag leaves no stale mention in README.md or docs/."""
+    known = set(OTHER_TOOLS_FLAGS) | {"help", "helpfull", "flagfile"}
+    for command in COMMANDS:
+        for negatable, name in re.findall(r"--(\[no\])?([a-z][a-z0-9_]*)", _help(command).stdout):
+            known |= {name, f"no{name}"} if negatable else {name}
+    unknown = {}
+    for page in DOCS:
+        for name in re.findall(r"(?<![\w-])--([a-z][\w-]*)", page.read_text()):
+            if name not in known:
+                unknown.setdefault(page.name, set()).add(f"--{name}")
+    assert not unknown, unknown

@@ -1,4 +1,6 @@
-"""The README's "Your own model" examples, run as written (with a shorter run where noted)."""
+"""The README and docs/: their examples run as written (with a shorter run where noted), the
+Quick start stays what CI runs, every relative link and path resolves, docs/flags.md matches
+the config's help texts, and the README stays short enough to read."""
 
 import os
 import re
@@ -6,16 +8,21 @@ import subprocess
 import sys
 
 import keras
+import pytest
 from absl.testing import flagsaver
 
 from tests.conftest import REPO
 from tfspeed import train
 from tfspeed.config import flags as tfspeed_flags
+from tfspeed.config import reference
+
+README = REPO / "README.md"
+PAGES = [README, *sorted((REPO / "docs").glob("*.md"))]
 
 
 def _examples() -> dict[str, str]:
     """``<!-- example: NAME -->`` followed by a fenced block -> {NAME: the block's text}."""
-    text = (REPO / "README.md").read_text()
+    text = README.read_text()
     found = re.findall(r"<!-- example: (\S+) -->\n```[a-z]*\n(.*?)```", text, re.S)
     return dict(found)
 
@@ -55,7 +62,7 @@ def test_own_model_from_the_command_line(digits_dir, tmp_path, monkeypatch):
 
 
 def test_own_model_from_python(tmp_path):
-    """api.py as written, in a process of its own (it splits the CPU before TF starts)."""
+    """api.py as written, in a process of its own (as a user's script runs)."""
     (tmp_path / "api.py").write_text(EXAMPLES["api.py"])
     done = subprocess.run([sys.executable, "api.py"], cwd=tmp_path, env=_env(),
                           capture_output=True, text=True, timeout=300)
@@ -64,3 +71,64 @@ def test_own_model_from_python(tmp_path):
     assert float(accuracy[1]) > 0.85  # 10 epochs of a small MLP on the real digits
     epochs = (tmp_path / "runs" / "api-epochs.csv").read_text().strip().splitlines()
     assert len(epochs) == 1 + 10 and epochs[0].startswith("epoch,")
+
+
+def test_the_readme_is_at_most_250_lines():
+    lines = README.read_text().count("\n")
+    assert lines <= 250, f"README.md has {lines} lines; move details to docs/"
+
+
+def _quick_start_commands() -> list[str]:
+    """The Quick start's first code block, read as .ci/run reads it (comments and blank lines
+    left out)."""
+    section = README.read_text().split("\n## Quick start\n", 1)[1]
+    block = re.search(r"```[a-z]*\n(.*?)```", section, re.S)[1]
+    return [line for line in block.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+
+
+def test_the_quick_start_block_is_the_main_job_then_the_tests():
+    """.ci/run executes the block's second line: it must stay the test command."""
+    main_job, tests = _quick_start_commands()
+    assert main_job.endswith("python -m tfspeed.train --flagfile=pipelines/digits.flags")
+    assert tests.endswith("python -m pytest") and '".[cpu,test]"' in tests
+    assert "eval_accuracy=" in README.read_text()  # the main job's example output
+
+
+def _links(page) -> list[str]:
+    """A page's Markdown link and image targets, web addresses left out."""
+    targets = re.findall(r"\]\(([^)\s]+)\)", page.read_text())
+    return [t for t in targets if not re.match(r"[a-z]+:", t)]
+
+
+def _anchors(page) -> set[str]:
+    """GitHub's anchors for a page's headings: lower case, punctuation dropped, spaces to -."""
+    headings = re.findall(r"^#+ (.+)$", page.read_text(), re.M)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_every_relative_link_resolves(page):
+    broken = []
+    for target in _links(page):
+        path, _, anchor = target.partition("#")
+        file = (page.parent / path).resolve() if path else page
+        if not file.exists() or (anchor and file.suffix == ".md"
+                                 and anchor not in _anchors(file)):
+            broken.append(target)
+    assert not broken, f"{page.name}: {broken}"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_every_repository_path_named_exists(page):
+    """Paths in backquotes (`tests/...py`, `pipelines/x.flags`) name files that exist; a
+    placeholder (NAME, <split>, *) is not a path."""
+    named = re.findall(r"`((?:tests|tfspeed|scripts|pipelines|benchmarks|docs)/[\w./-]+)`",
+                       page.read_text())
+    missing = [path for path in named
+               if not re.search(r"[A-Z*<]", path) and not (REPO / path).exists()]
+    assert not missing, f"{page.name}: {missing}"
+
+
+def test_flags_doc_matches_the_config_help_texts():
+    assert (REPO / "docs" / "flags.md").read_text() == reference.render(), (
+        f"docs/flags.md is stale: run {reference.REGENERATE}")

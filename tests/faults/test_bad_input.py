@@ -1,5 +1,5 @@
 """Bad input everywhere: each case ends with one line naming what and how to fix, exit 2,
-and nothing written that a later run would take for finished. (README's table lists them.)"""
+and nothing written that a later run would take for finished. (docs/errors.md lists them.)"""
 
 import json
 import os
