@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import zipfile
 from collections.abc import Sequence
+from typing import TextIO
 
 import numpy as np
 
@@ -14,6 +15,10 @@ from tfspeed.data.schema import Feature
 from tfspeed.errors import UsageError
 
 # ---------------------------------------------------------------- csv
+
+# Python's csv refuses a cell over 131,072 characters by default: one mail or book is more.
+# The largest limit a C long holds on every platform (Windows' is 32 bits).
+_FIELD_LIMIT = 2**31 - 1
 
 
 def open_csv(path: str, opts: SourceOptions) -> Source:
@@ -69,15 +74,36 @@ def _check_names(path: str, columns: Sequence[str]) -> None:
 
 
 def _read_csv(path: str) -> list[tuple[int, list[str]]]:
-    """``[(line number, cells)]`` of the non-blank rows of a CSV file."""
+    """``[(line number, cells)]`` of the non-blank rows of a CSV file (the line a row starts
+    on)."""
     try:
         with open(path, newline="", encoding="utf-8-sig") as f:
-            reader = csv.reader(f)
-            return [(reader.line_num, row) for row in reader if any(c.strip() for c in row)]
-    except (OSError, UnicodeDecodeError, csv.Error) as e:
+            return _csv_rows(path, f)
+    except (OSError, UnicodeDecodeError) as e:
+        raise UsageError(f"cannot read CSV {path}: {e}; pass a UTF-8 CSV file") from None
+
+
+def _csv_rows(path: str, f: TextIO) -> list[tuple[int, list[str]]]:
+    # Strict: a quote that opens a cell and never closes, or text after a closing quote, is
+    # an error at its row. Without it, and with no field limit, the rest of the file would
+    # pass as one cell (the limit only caught that where it ran past 131,072 characters).
+    reader, start, rows = csv.reader(f, strict=True), 1, []
+    previous = csv.field_size_limit(_FIELD_LIMIT)  # process-wide: put back after
+    try:
+        for row in reader:
+            if any(c.strip() for c in row):
+                rows.append((start, row))
+            start = reader.line_num + 1
+    except csv.Error as e:
         raise UsageError(
-            f"cannot read CSV {path}: {e}; pass a UTF-8 CSV file with a header row"
+            f"CSV {path} line {start} is not CSV ({e}, at line {reader.line_num}): quote a "
+            'cell that holds commas, quotes or line breaks ("..."), doubling the quotes in it'
         ) from None
+    finally:
+        csv.field_size_limit(previous)
+    return rows
+
+
 
 
 def _csv_header(path: str, rows: list[tuple[int, list[str]]], column: str) -> list[str]:
