@@ -9,6 +9,7 @@ from typing import TextIO
 
 import numpy as np
 
+from tfspeed.convert.sources import charsets
 from tfspeed.convert.sources.arrays import array_source
 from tfspeed.convert.sources.base import LABEL, Source, SourceOptions, file_identity, target
 from tfspeed.data.schema import Feature
@@ -28,7 +29,7 @@ def open_csv(path: str, opts: SourceOptions) -> Source:
     input per column (shape ``(1,)``, standardised each). The label column holds classes
     (any values, mapped to ids) or, for ``opts.task="regression"``, numbers.
     """
-    rows = _read_csv(path)
+    rows, _ = _read_csv(path)
     header = _csv_header(path, rows, opts.label_column)
     x, labels = _csv_table(path, header, rows[1:], opts.label_column)
     columns = [c for c in header if c != opts.label_column]
@@ -73,14 +74,15 @@ def _check_names(path: str, columns: Sequence[str]) -> None:
                              "it (letters, digits, _ . -, not 'label') or drop --named_columns")
 
 
-def _read_csv(path: str) -> list[tuple[int, list[str]]]:
+def _read_csv(
+    path: str, encoding: str = charsets.AUTO
+) -> tuple[list[tuple[int, list[str]]], str]:
     """``[(line number, cells)]`` of the non-blank rows of a CSV file (the line a row starts
-    on)."""
+    on), and the charset that decoded it (UTF-8, else ``encoding`` or the one detected)."""
     try:
-        with open(path, newline="", encoding="utf-8-sig") as f:
-            return _csv_rows(path, f)
-    except (OSError, UnicodeDecodeError) as e:
-        raise UsageError(f"cannot read CSV {path}: {e}; pass a UTF-8 CSV file") from None
+        return charsets.read_text_file(path, encoding, lambda f: _csv_rows(path, f), newline="")
+    except OSError as e:
+        raise UsageError(f"cannot read CSV {path}: {e.strerror}") from None
 
 
 def _csv_rows(path: str, f: TextIO) -> list[tuple[int, list[str]]]:
@@ -102,8 +104,6 @@ def _csv_rows(path: str, f: TextIO) -> list[tuple[int, list[str]]]:
     finally:
         csv.field_size_limit(previous)
     return rows
-
-
 
 
 def _csv_header(path: str, rows: list[tuple[int, list[str]]], column: str) -> list[str]:
