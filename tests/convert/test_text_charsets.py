@@ -34,6 +34,7 @@ CP1252 = [
     "“Smart quotes” — and a price of 12 € for the café’s menu.",
     "She said “bonjour” to Zoë — the cost: 3 €, naïvely paid.",
 ]
+SIGNATURE = "-- \nJürgen Müller, Köln\n"
 UTF16 = ["Ünïcödé in UTF-16: the naïve café of Müller.", "Ελληνικά και русский текст в UTF-16."]
 
 
@@ -159,8 +160,8 @@ def test_a_broken_csv_names_the_row_where_it_breaks(tmp_path, capsys):
 
 
 def write_mail_folder(root) -> dict[str, tuple[str, str, str]]:
-    """A folder of texts as mail comes: UTF-8, latin-1, cp1252 and UTF-16 files and a binary
-    one. Returns file -> (class, text, charset written)."""
+    """A folder of texts as mail comes: UTF-8, latin-1, cp1252 and UTF-16 files, a UTF-8 one
+    signed in latin-1, and a binary one. Returns file -> (class, text, charset written)."""
     files = {}
     for i, text in enumerate(TEXTS[:30]):
         files[f"{i:02d}.txt"] = ("ham" if i % 2 else "spam", text, "utf-8")
@@ -177,6 +178,10 @@ def write_mail_folder(root) -> dict[str, tuple[str, str, str]]:
     for name, (cls, text, charset) in files.items():
         (root / cls).mkdir(parents=True, exist_ok=True)
         (root / cls / name).write_bytes(text.encode(charset))
+    files["signed.txt"] = ("ham", f"{ACCENTED[0]}\n{SIGNATURE}", "utf-8 and latin-1")
+    (root / "ham" / "signed.txt").write_bytes(
+        f"{ACCENTED[0]}\n".encode() + SIGNATURE.encode("latin-1")
+    )
     # A real binary file: a text, gzipped.
     (root / "spam" / "attachment.gz").write_bytes(gzip.compress(TEXTS[40].encode(), mtime=0))
     return files
@@ -206,10 +211,11 @@ def test_texts_in_other_charsets_are_decoded_and_counted(mail):
     classes = {"ham": 0, "spam": 1}
     assert _decoded(out) == {text: classes[cls] for cls, text, _ in files.values()}
     # latin-1 text without cp1252's own characters decodes the same in cp1252, which wins
-    # such ties (see charsets._detect); UTF-16 is found by its BOM.
-    assert _charsets(schema) == {"utf-8": 30, "cp1252": 6, "utf-16": 2}
-    assert result.summary["text"]["charsets"] == {"utf-8": 30, "cp1252": 6, "utf-16": 2}
-    assert "decoded: utf-8 30, cp1252 6, utf-16 2" in summary_line(result)
+    # such ties (see charsets._detect); UTF-16 is found by its BOM; the UTF-8 mail signed
+    # in latin-1 keeps both (charsets._mostly_utf8).
+    counts = {"utf-8": 30, "cp1252": 6, "utf-16": 2, "utf-8+cp1252": 1}
+    assert _charsets(schema) == result.summary["text"]["charsets"] == counts
+    assert "decoded: utf-8 30, cp1252 6, utf-16 2, utf-8+cp1252 1" in summary_line(result)
     assert schema["options"]["encoding"] == "auto"
 
 
@@ -225,7 +231,7 @@ def test_encoding_forces_the_charset_of_files_that_are_not_utf8(mail, tmp_path):
     )
     schema = _schema(forced)
     # UTF-8 files stay UTF-8; the others are read as latin-1: UTF-16 then holds NULs.
-    assert _charsets(schema) == {"utf-8": 30, "iso8859-1": 6}
+    assert _charsets(schema) == {"utf-8": 30, "iso8859-1": 7}
     assert _skipped(schema) == {
         os.path.join("spam", "attachment.gz"): "binary",
         os.path.join("ham", "utf16_0.txt"): "binary",

@@ -5,8 +5,10 @@ Real text comes in many charsets: a folder of mail holds latin-1, cp1252 and UTF
 beside UTF-8 ones, and skipping them loses texts unevenly between classes. So a file that is
 not UTF-8 is decoded with the charset given or detected, and the converter counts the texts
 each charset decoded (``schema.json``, the summary line). Only bytes that are no text in any
-charset (a binary file, or NUL characters once decoded) are skipped. Detection runs only for
-a file that fails UTF-8, and is deterministic: the same bytes give the same text.
+charset (a binary file, or NUL characters once decoded) are skipped. A file that is mostly
+UTF-8 with a few stray bytes (a latin-1 signature) keeps its UTF-8 and reads those bytes as
+cp1252 (counted as ``utf-8+cp1252``). Detection runs only for a file that fails UTF-8, and is
+deterministic: the same bytes give the same text.
 
 Imports nothing heavy: the writer's worker processes import it (charset-normalizer lazily).
 """
@@ -16,6 +18,7 @@ from __future__ import annotations
 import codecs
 import dataclasses
 import io
+import re
 from collections.abc import Callable
 from typing import TextIO, TypeVar
 
@@ -23,6 +26,7 @@ from tfspeed.errors import UsageError
 
 AUTO = "auto"  # --encoding's default: detect the charset of a file that is not UTF-8
 UTF8 = "utf-8"
+MIXED = "utf-8+cp1252"  # UTF-8 with a few stray bytes of a single-byte charset (`_mostly_utf8`)
 # The charset preferred among those that decode a file equally well (see `_detect`).
 _PREFERRED = "cp1252"
 
@@ -88,7 +92,7 @@ def decode(data: bytes, encoding: str = AUTO) -> Decoded | Undecoded:
                 "undecodable",
             )
     else:
-        decoded = _detect(data)
+        decoded = _mostly_utf8(data) or _detect(data)
         if decoded is None:
             return Undecoded(
                 "not text in any charset charset-normalizer knows (a binary file?)", "binary"
@@ -122,6 +126,36 @@ def read_text_file(
     if isinstance(decoded, Undecoded):
         raise UsageError(f"cannot read {path}: {decoded.why}")
     return parse(io.StringIO(decoded.text, newline=newline)), decoded.charset
+
+
+def _mostly_utf8(data: bytes) -> Decoded | None:
+    """``data`` as UTF-8 with its few stray bytes read as cp1252, or None if it is not
+    mostly UTF-8 (fewer stray bytes than bytes of valid multi-byte UTF-8 characters).
+
+    A mail's body in UTF-8 with a signature or a quoted line from a latin-1 program fails
+    UTF-8 on a few bytes. Detection then picks one single-byte charset for the whole file,
+    and every UTF-8 character of the rest becomes two or three wrong ones ('é' read as
+    'Ã©'); decoding each part as what it is keeps both.
+    """
+    # surrogateescape turns each stray byte into one lone surrogate, U+DC80..U+DCFF.
+    text = data.decode("utf-8-sig", errors="surrogateescape")
+    stray = len(_STRAY.findall(text))
+    multibyte = len(data) - len(data.translate(None, _HIGH_BYTES)) - stray
+    if not 0 < stray < multibyte:
+        return None
+    return Decoded(_STRAY.sub(lambda m: _cp1252_or_latin1(ord(m.group()) - 0xDC00), text), MIXED)
+
+
+def _cp1252_or_latin1(byte: int) -> str:
+    # cp1252 leaves 5 bytes undefined; latin-1 reads them (as C1 controls).
+    try:
+        return bytes([byte]).decode("cp1252")
+    except UnicodeDecodeError:
+        return chr(byte)
+
+
+_STRAY = re.compile("[\udc80-\udcff]")
+_HIGH_BYTES = bytes(range(0x80, 0x100))
 
 
 def _detect(data: bytes) -> Decoded | None:
