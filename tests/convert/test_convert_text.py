@@ -67,13 +67,14 @@ def test_textfolder_roundtrip_and_bad_files(folder_dataset):
     assert schema.class_names == ("long", "short")
     assert schema.features["tokens"].encoding == "tokens" and schema.inputs == "tokens"
     skipped = {s["item"]: s["kind"] for split in schema.splits.values() for s in split.skipped}
+    # A latin-1 file is decoded (charsets.decode), no longer skipped as "not UTF-8".
     assert skipped == {
-        os.path.join("short", "latin1.txt"): "not_utf8",
         os.path.join("short", "blank.txt"): "empty",
         os.path.join("long", "image.bin"): "binary",
     }
-    assert result.summary["skipped"] == 3 and schema.num_classes == 2
-    assert sum(s.num_records for s in schema.splits.values()) == 120  # nothing else lost
+    assert result.summary["skipped"] == 2 and schema.num_classes == 2
+    assert sum(s.num_records for s in schema.splits.values()) == 121  # nothing else lost
+    assert result.summary["text"]["charsets"] == {"utf-8": 121, "cp1252": 1}  # blank.txt too
     # Byte-level BPE: decode(ids) gives each text back exactly.
     from tokenizers import Tokenizer
 
@@ -84,7 +85,7 @@ def test_textfolder_roundtrip_and_bad_files(folder_dataset):
         for split in schema.splits
         for r in records(out, split)
     }
-    assert decoded == {t: (1 if len(t) < 200 else 0) for t in TEXTS[:120]}
+    assert decoded == {t: (1 if len(t) < 200 else 0) for t in [*TEXTS[:120], "café crème"]}
 
 
 def test_schema_text_section_and_histograms(folder_dataset):

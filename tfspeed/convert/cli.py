@@ -11,14 +11,15 @@
   python scripts/to_tfrecord.py --source=jsonl:/data/docs.jsonl --output=/data/lm --task=lm
 
 Sources: imagefolder:PATH, csv:PATH, npz:PATH, tfds:NAME (prepared in --tfds_data_dir), digits.
-Text sources: textfolder:PATH (PATH/[<split>/]<class>/<one UTF-8 text per file>), jsonl:PATH
+Text sources: textfolder:PATH (PATH/[<split>/]<class>/<one text per file>), jsonl:PATH
 (--text_field, --label_field), csv:PATH with --text_column, pystdlib[:PACKAGES] (Python's
 standard library source, one text per top-level function or class, its package the class: a
 real corpus that needs no download) and pydocstrings[:PACKAGES] (the same packages' docstrings,
 one short text per documented function, class or method). Texts are tokenised once, here, by the worker processes;
 records hold `tokens` (int64 ids, any length) and `label`, or only `tokens` with --task=lm
-(between bos and eos). Files that are not UTF-8 text, binary files and empty texts are skipped
-and counted in schema.json; so are texts over --max_length with --long=skip.
+(between bos and eos). A file that is not UTF-8 is decoded with --encoding, or by default with
+the charset detected; schema.json and the summary count the texts each charset decoded. Binary
+files and empty texts are skipped and counted; so are texts over --max_length with --long=skip.
 Rerunning an interrupted command resumes it; rerunning a finished one returns at once.
 """
 
@@ -141,6 +142,10 @@ _TEXT_COLUMN = flags.DEFINE_string(
 _MAX_ITEMS = flags.DEFINE_integer(
     "max_items", _TEXT.max_items, "Text: convert only this many items (a seeded sample, e.g. "
     "for a quick run); 0 = all.", flag_values=_FLAGS)
+_ENCODING = flags.DEFINE_string(
+    "encoding", _TEXT.encoding, "Text files (textfolder, jsonl, csv) that are not UTF-8: their "
+    "charset (a Python codec name: latin-1, cp1252, utf-16...), or auto: detect each file's "
+    "(charset-normalizer). UTF-8 files are read as UTF-8 either way.", flag_values=_FLAGS)
 _NAMED_COLUMNS = flags.DEFINE_bool(
     "named_columns", False, "csv: each feature column is a named model input of shape (1,), "
     "instead of one vector 'features'.", flag_values=_FLAGS)
@@ -199,6 +204,7 @@ def _main(argv: list[str]) -> int:
             label_field=_LABEL_FIELD.value,
             text_column=_TEXT_COLUMN.value,
             max_items=_MAX_ITEMS.value,
+            encoding=_ENCODING.value,
         ),
         tfds_data_dir=_TFDS_DATA_DIR.value,
         overwrite=_OVERWRITE.value,
@@ -265,12 +271,14 @@ def summary_line(result: ConvertResult) -> str:
 
 
 def _text_counts(summary: dict) -> str:
-    """The token count and long-text events of a text conversion, for the summary line."""
+    """The token count, long-text events and the texts each charset decoded (where texts
+    were read from bytes) of a text conversion, for the summary line."""
     t = summary.get("text")
     if not t:
         return ""
+    decoded = ", ".join(f"{name} {n}" for name, n in t.get("charsets", {}).items())
     return (f"; {t['tokens']} tokens, {t['truncated']} truncated, {t['split_into']} split, "
-            f"{t['skipped_long']} skipped as too long")
+            f"{t['skipped_long']} skipped as too long{f'; decoded: {decoded}' if decoded else ''}")
 
 
 def _task(schema) -> str:

@@ -20,6 +20,7 @@ Kinds: ``imagefolder:PATH``, ``csv:PATH``, ``npz:PATH``, ``tfds:NAME``, ``digits
                in the chunks
   text_tables.py  jsonl, csv with a text column
   lengths.py   token ids and skipped texts as chunks yield them; token counts per shard, split
+  charsets.py  bytes to text: UTF-8, else --encoding or the charset detected; binary skipped
   pystdlib.py  the pystdlib corpus: Python's standard library, one text per function/class
   pydocstrings.py  the pydocstrings corpus: its docstrings, one short text each
 """

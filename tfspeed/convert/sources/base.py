@@ -12,6 +12,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from tfspeed.config import LONG_DEFAULT, MAX_LENGTH_CAP
+from tfspeed.convert.sources.charsets import AUTO
 from tfspeed.data.schema import Feature
 
 LABEL = Feature("label", "int64", (), "int")  # every classification source's label feature
@@ -56,6 +57,8 @@ class TextOptions:
         every line has one, else no labels.
       text_column: the CSV column holding the text (``csv:``); empty = a numeric CSV.
       max_items: use only this many items, a seeded sample in source order; 0 = all.
+      encoding: the charset of files that are not UTF-8 (a Python codec name), or ``auto``:
+        detect each one's (`tfspeed.convert.sources.charsets`).
       data_dir: the output directory, where the workers find the tokeniser (not an option
         that shapes the records: the converter sets it).
     """
@@ -67,6 +70,7 @@ class TextOptions:
     label_field: str = ""
     text_column: str = ""
     max_items: int = 0
+    encoding: str = AUTO
     data_dir: str = ""
 
 

@@ -5,15 +5,21 @@ from __future__ import annotations
 import csv
 import zipfile
 from collections.abc import Sequence
+from typing import TextIO
 
 import numpy as np
 
+from tfspeed.convert.sources import charsets
 from tfspeed.convert.sources.arrays import array_source
 from tfspeed.convert.sources.base import LABEL, Source, SourceOptions, file_identity, target
 from tfspeed.data.schema import Feature
 from tfspeed.errors import UsageError
 
 # ---------------------------------------------------------------- csv
+
+# Python's csv refuses a cell over 131,072 characters by default: one mail or book is more.
+# The largest limit a C long holds on every platform (Windows' is 32 bits).
+_FIELD_LIMIT = 2**31 - 1
 
 
 def open_csv(path: str, opts: SourceOptions) -> Source:
@@ -23,7 +29,7 @@ def open_csv(path: str, opts: SourceOptions) -> Source:
     input per column (shape ``(1,)``, standardised each). The label column holds classes
     (any values, mapped to ids) or, for ``opts.task="regression"``, numbers.
     """
-    rows = _read_csv(path)
+    rows, _ = _read_csv(path)
     header = _csv_header(path, rows, opts.label_column)
     x, labels = _csv_table(path, header, rows[1:], opts.label_column)
     columns = [c for c in header if c != opts.label_column]
@@ -68,16 +74,36 @@ def _check_names(path: str, columns: Sequence[str]) -> None:
                              "it (letters, digits, _ . -, not 'label') or drop --named_columns")
 
 
-def _read_csv(path: str) -> list[tuple[int, list[str]]]:
-    """``[(line number, cells)]`` of the non-blank rows of a CSV file."""
+def _read_csv(
+    path: str, encoding: str = charsets.AUTO
+) -> tuple[list[tuple[int, list[str]]], str]:
+    """``[(line number, cells)]`` of the non-blank rows of a CSV file (the line a row starts
+    on), and the charset that decoded it (UTF-8, else ``encoding`` or the one detected)."""
     try:
-        with open(path, newline="", encoding="utf-8-sig") as f:
-            reader = csv.reader(f)
-            return [(reader.line_num, row) for row in reader if any(c.strip() for c in row)]
-    except (OSError, UnicodeDecodeError, csv.Error) as e:
+        return charsets.read_text_file(path, encoding, lambda f: _csv_rows(path, f), newline="")
+    except OSError as e:
+        raise UsageError(f"cannot read CSV {path}: {e.strerror}") from None
+
+
+def _csv_rows(path: str, f: TextIO) -> list[tuple[int, list[str]]]:
+    # Strict: a quote that opens a cell and never closes, or text after a closing quote, is
+    # an error at its row. Without it, and with no field limit, the rest of the file would
+    # pass as one cell (the limit only caught that where it ran past 131,072 characters).
+    reader, start, rows = csv.reader(f, strict=True), 1, []
+    previous = csv.field_size_limit(_FIELD_LIMIT)  # process-wide: put back after
+    try:
+        for row in reader:
+            if any(c.strip() for c in row):
+                rows.append((start, row))
+            start = reader.line_num + 1
+    except csv.Error as e:
         raise UsageError(
-            f"cannot read CSV {path}: {e}; pass a UTF-8 CSV file with a header row"
+            f"CSV {path} line {start} is not CSV ({e}, at line {reader.line_num}): quote a "
+            'cell that holds commas, quotes or line breaks ("..."), doubling the quotes in it'
         ) from None
+    finally:
+        csv.field_size_limit(previous)
+    return rows
 
 
 def _csv_header(path: str, rows: list[tuple[int, list[str]]], column: str) -> list[str]:

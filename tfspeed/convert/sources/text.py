@@ -7,8 +7,10 @@ Each item is tokenised in the chunks, so in the writer workers, with a tokeniser
 loaded here, in the parent (`tfspeed.convert.tokenizer`). A record holds ``tokens`` (int64
 ids, variable length) and, for classification, ``label``; for ``--task=lm`` only ``tokens``,
 between the tokeniser's bos and eos. Texts over ``--max_length`` tokens are truncated, split
-into several records or skipped (``--long``, as `tfspeed.data.long_texts` says). Items that
-are no text (not UTF-8, NUL bytes, empty) are skipped and counted, like undecodable images.
+into several records or skipped (``--long``, as `tfspeed.data.long_texts` says). A file
+that is not UTF-8 is decoded with ``--encoding`` or the charset detected (`charsets`), and
+the texts each charset decoded are counted; items that are no text (binary, empty) are
+skipped and counted, like undecodable images.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import numpy as np
 from absl import logging
 
 from tfspeed.convert import tokenizer as tokenizer_lib
-from tfspeed.convert.sources import images, pydocstrings, pystdlib
+from tfspeed.convert.sources import charsets, images, pydocstrings, pystdlib
 from tfspeed.convert.sources.base import (
     LABEL,
     Chunk,
@@ -82,26 +84,28 @@ class Encoding:
     bos: int | None
     eos: int | None
 
-    def records(self, name: str, text: str, extra: dict) -> Iterator[dict | Skip]:
+    def records(
+        self, name: str, text: str, extra: dict, charset: str = ""
+    ) -> Iterator[dict | Skip]:
         """The records of one text (one, or several with ``--long=split``), or a skip; each
-        holds ``extra`` (the label) beside the tokens."""
+        holds ``extra`` (the label) beside the tokens. ``charset`` (what decoded the text)
+        travels with the first record or the skip, to be counted once."""
         ids = self.tokenizer.load().encode(text)
         if self.task == "lm":
             ids = np.concatenate([[self.bos], ids, [self.eos]]).astype(np.int64)
         m = self.max_length
         if not m or len(ids) <= m:
-            yield {"tokens": TokenIds(ids), **extra}
+            yield {"tokens": TokenIds(ids, charset=charset), **extra}
             return
         # A language-model record's pieces overlap by one token: every next-token pair stays
         # inside a piece.
         made = long_texts.pieces([len(ids)], m, self.long, overlap=int(self.task == "lm"))
         if not made.length.size:
-            yield TextSkip(
-                name, f"{len(ids)} tokens, over --max_length={m} (--long=skip)", SKIPPED_LONG
-            )
+            yield TextSkip(name, f"{len(ids)} tokens, over --max_length={m} (--long=skip)",
+                           SKIPPED_LONG, charset)
         truncated, parts = self.long == "truncate", made.length.size
         for part, (start, n) in enumerate(zip(made.offset, made.length, strict=True)):
-            tokens = TokenIds(ids[start : start + n], truncated, part, parts)
+            tokens = TokenIds(ids[start : start + n], truncated, part, parts, charset)
             yield {"tokens": tokens, **extra}
 
 
@@ -109,46 +113,52 @@ class Encoding:
 class TextChunk:
     """Texts (or text files under ``root``) with their labels, tokenised by ``encoding``.
 
-    ``items`` are ``(name, text, label)``; ``text`` None means the file ``root/name``.
+    ``items`` are ``(name, text, label)``; ``text`` None means the file ``root/name``, read
+    as `charsets.decode` does with ``file_encoding`` (``--encoding``). ``decoded_as`` is the
+    charset the given texts were decoded from ("" for texts that were never bytes).
     """
 
     items: tuple[tuple[str, str | None, int], ...]
     encoding: Encoding
     root: str = ""
+    file_encoding: str = charsets.AUTO
+    decoded_as: str = ""
 
     def records(self) -> Iterator[dict | Skip]:
         for name, text, label in self.items:
-            text = read_text(os.path.join(self.root, name), name) if text is None else text
-            text = checked(name, text)
-            if isinstance(text, Skip):
-                yield text
+            if text is None:
+                found = read_text(os.path.join(self.root, name), name, self.file_encoding)
+            else:
+                found = charsets.Decoded(text, self.decoded_as)
+            found = checked(name, found)
+            if isinstance(found, Skip):
+                yield found
                 continue
             extra = {} if self.encoding.task == "lm" else {"label": label}
-            yield from self.encoding.records(name, text, extra)
+            yield from self.encoding.records(name, found.text, extra, found.charset)
 
 
-def read_text(path: str, name: str) -> str | TextSkip:
-    """The UTF-8 text of the file at ``path``, or why it is no text."""
+def read_text(
+    path: str, name: str, encoding: str = charsets.AUTO
+) -> charsets.Decoded | TextSkip:
+    """The text of the file at ``path`` and its charset (`charsets.decode` with
+    ``encoding``), or why it is no text."""
     try:
         with open(path, "rb") as f:
             data = f.read()
     except OSError as e:
         return TextSkip(name, f"cannot read it: {e.strerror}", "unreadable")
-    if b"\0" in data:
-        return TextSkip(name, "a binary file (NUL bytes), not text", "binary")
-    try:
-        return data.decode("utf-8-sig")
-    except UnicodeDecodeError as e:
-        return TextSkip(
-            name, f"not UTF-8 text (byte {e.start}: {e.reason}); save it as UTF-8", "not_utf8"
-        )
+    decoded = charsets.decode(data, encoding)
+    if isinstance(decoded, charsets.Undecoded):
+        return TextSkip(name, decoded.why, decoded.kind)
+    return decoded
 
 
-def checked(name: str, text: str | TextSkip) -> str | TextSkip:
-    """``text``, or a skip if it is empty (or whitespace only)."""
-    if isinstance(text, str) and not text.strip():
-        return TextSkip(name, "an empty text", "empty")
-    return text
+def checked(name: str, found: charsets.Decoded | TextSkip) -> charsets.Decoded | TextSkip:
+    """``found``, or a skip if its text is empty (or whitespace only)."""
+    if isinstance(found, charsets.Decoded) and not found.text.strip():
+        return TextSkip(name, "an empty text", "empty", found.charset)
+    return found
 
 
 # ---------------------------------------------------------------- the sources
@@ -166,7 +176,7 @@ def open_textfolder(root: str, opts: SourceOptions) -> Source:
     if not class_names:
         raise UsageError(
             f"{root} has no class folders; put texts in {root}/<class>/ (one "
-            "UTF-8 file per text, one folder per class)"
+            "file per text, one folder per class)"
         )
     ids = {name: i for i, name in enumerate(class_names)}
     files = {
@@ -187,7 +197,8 @@ def open_textfolder(root: str, opts: SourceOptions) -> Source:
             s: [fs[i] for i in images._shuffled(len(fs), opts.seed, s)] for s, fs in files.items()
         }
     labels = Labels(class_names, "by folder")
-    return text_source(items, labels, content_hash(stats), {}, opts, root=root)
+    options = {"encoding": text_options(opts).encoding}
+    return text_source(items, labels, content_hash(stats), options, opts, root=root)
 
 
 def open_pystdlib(arg: str, opts: SourceOptions) -> Source:
@@ -224,6 +235,7 @@ def text_source(
     opts: SourceOptions,
     *,
     root: str = "",
+    decoded_as: str = "",
 ) -> Source:
     """The `Source` over text ``items``, its tokeniser made (trained on the train split).
 
@@ -236,6 +248,8 @@ def text_source(
       options: the kind's own record-shaping options.
       opts: the converter options (``opts.text`` the text ones).
       root: the folder of file items.
+      decoded_as: the charset the given texts were decoded from ("" for texts that were
+        never bytes), counted with each.
 
     Returns:
       The `Source`: ``tokens`` (and ``label``) per record. Its ``text``
@@ -257,7 +271,7 @@ def text_source(
         )
     train = items["train"]
     if tokenizer_lib.needs_training(t.tokenizer):
-        texts = (_train_text(root, item) for item in train)
+        texts = (_train_text(root, item, t.encoding) for item in train)
         tok = tokenizer_lib.make(t.tokenizer, (x for x in texts if x is not None))
     else:
         tok = tokenizer_lib.make(t.tokenizer)
@@ -278,7 +292,7 @@ def text_source(
     )
     def make_chunk(split: str, start: int, stop: int, storage=None) -> Chunk:
         chosen = tuple(tuple(it[:3]) for it in items[split][start:stop])
-        return TextChunk(chosen, encoding, root)
+        return TextChunk(chosen, encoding, root, t.encoding, decoded_as)
 
     features = [TOKENS] if task == "lm" else [TOKENS, LABEL]
     section = {"task": task, "tokenizer": tok.to_json(), "max_length": t.max_length, "long": t.long}
@@ -332,6 +346,10 @@ def check_options(kind: str, spec: str, opts: SourceOptions) -> None:
     for bad, message in problems:
         if bad:
             raise UsageError(message)
+    charsets.check(t.encoding)
+    if t.encoding != charsets.AUTO and kind in ("pystdlib", "pydocstrings"):
+        raise UsageError(f"--encoding={t.encoding} is for texts read from files (textfolder:, "
+                         f"jsonl:, csv:); --source={spec} is Python's own text: drop it")
 
 
 def text_options(opts: SourceOptions) -> TextOptions:
@@ -352,10 +370,12 @@ def split_items(items: list, opts: SourceOptions) -> dict[str, list]:
     return {s: [items[i] for i in idx] for s, idx in order.items()}
 
 
-def _train_text(root: str, item: tuple) -> str | None:
+def _train_text(root: str, item: tuple, encoding: str) -> str | None:
     name, text = item[0], item[1]
-    text = read_text(os.path.join(root, name), name) if text is None else text
-    return None if isinstance(checked(name, text), Skip) else text
+    if text is not None:
+        return text if text.strip() else None
+    found = checked(name, read_text(os.path.join(root, name), name, encoding))
+    return None if isinstance(found, Skip) else found.text
 
 
 def _size(item: tuple) -> int:

@@ -1,5 +1,7 @@
 """Text sources read from one file of rows: ``jsonl:PATH`` (``--text_field``,
 ``--label_field``) and ``csv:PATH`` with ``--text_column``. Each becomes a `text.text_source`.
+A file that is not UTF-8 is decoded whole with ``--encoding`` or the charset detected
+(`charsets.read_text_file`); each of its texts is counted under that charset.
 """
 
 from __future__ import annotations
@@ -9,7 +11,7 @@ import json
 import os
 from collections.abc import Iterator
 
-from tfspeed.convert.sources import tables
+from tfspeed.convert.sources import charsets, tables
 from tfspeed.convert.sources.base import Source, SourceOptions, file_identity
 from tfspeed.convert.sources.text import Labels, split_items, text_options, text_source
 from tfspeed.errors import UsageError
@@ -21,7 +23,7 @@ def open_jsonl(path: str, opts: SourceOptions) -> Source:
     """One JSON object per line: the text in ``--text_field``; the label in ``--label_field``,
     else in ``label`` where every line has one (else no labels: ``--task=lm``)."""
     t = text_options(opts)
-    lines = list(_json_lines(path))
+    lines, charset = _json_lines(path, t.encoding)
     texts = []
     for line_no, obj in lines:
         text = obj.get(t.text_field) if isinstance(obj, dict) else None
@@ -36,9 +38,10 @@ def open_jsonl(path: str, opts: SourceOptions) -> Source:
     base = os.path.basename(path)
     items = [(f"{base}:{i}", text, int(y[i - 1]) if field else -1)
              for i, text in enumerate(texts, start=1)]
-    options = {"text_field": t.text_field, "label_field": field}
+    options = {"text_field": t.text_field, "label_field": field, "encoding": t.encoding}
     labels = dataclasses.replace(labels, names=tuple(names))
-    return text_source(split_items(items, opts), labels, file_identity(path), options, opts)
+    return text_source(split_items(items, opts), labels, file_identity(path), options, opts,
+                       decoded_as=charset)
 
 
 def _jsonl_label_field(path: str, lines: list[tuple[int, dict]], given: str) -> tuple[str, Labels]:
@@ -62,7 +65,8 @@ def _jsonl_label_field(path: str, lines: list[tuple[int, dict]], given: str) -> 
 def open_csv_text(path: str, opts: SourceOptions) -> Source:
     """A CSV with a text column, tokenised, and the label column holding the classes (none:
     ``--task=lm``). Other columns are refused: tfspeed's text models take tokens only."""
-    t, rows = text_options(opts), tables._read_csv(path)
+    t = text_options(opts)
+    rows, charset = tables._read_csv(path, t.encoding)
     if len(rows) < 2:
         raise UsageError(f"CSV {path} is empty; it needs a header row and at least one data row")
     header = [c.strip() for c in rows[0][1]]
@@ -96,20 +100,26 @@ def open_csv_text(path: str, opts: SourceOptions) -> Source:
         items.append((f"line {line}", cell[t.text_column], label))
     y, class_names = tables._encode_labels([lab for _, _, lab in items]) if labelled else ([], ())
     items = [(name, text, int(y[i]) if labelled else -1) for i, (name, text, _) in enumerate(items)]
-    options = {"text_column": t.text_column, "label_column": opts.label_column}
+    options = {"text_column": t.text_column, "label_column": opts.label_column,
+               "encoding": t.encoding}
     column = opts.label_column
     labels = Labels(class_names, f"on column {column!r}" if column in header else "",
                     f"no column {column!r}", "--label_column=NAME to classify")
-    return text_source(split_items(items, opts), labels, file_identity(path), options, opts)
+    return text_source(split_items(items, opts), labels, file_identity(path), options, opts,
+                       decoded_as=charset)
 
 
-def _json_lines(path: str) -> Iterator[tuple[int, object]]:
-    """``(line number, object)`` of each non-blank line; a UsageError names a bad one."""
+def _json_lines(path: str, encoding: str) -> tuple[list[tuple[int, object]], str]:
+    """``(line number, object)`` of each non-blank line, and the charset that decoded the
+    file (UTF-8, else ``encoding`` or the one detected); a UsageError names a bad line."""
     try:
-        with open(path, encoding="utf-8-sig") as f:
-            lines = list(f)
-    except (OSError, UnicodeDecodeError) as e:
-        raise UsageError(f"cannot read {path}: {e}; pass a UTF-8 file of JSON lines") from None
+        lines, charset = charsets.read_text_file(path, encoding, list)
+    except OSError as e:
+        raise UsageError(f"cannot read {path}: {e.strerror}; pass a file of JSON lines") from None
+    return list(_parsed(path, lines)), charset
+
+
+def _parsed(path: str, lines: list[str]) -> Iterator[tuple[int, object]]:
     for line_no, line in enumerate(lines, start=1):
         if line.strip():
             try:
