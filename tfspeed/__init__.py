@@ -31,13 +31,11 @@ from tfspeed.runtime import hostmem as _hostmem  # noqa: E402
 
 _hostmem.apply()
 
+# tfspeed.fit itself, its signature and docstring for help(): its module imports TensorFlow
+# only when called, so `import tfspeed` stays free of it.
+from tfspeed.training.api import fit  # noqa: E402
 
-def fit(*args, **kwargs):
-    """Trains your own Keras model on any ``tf.data.Dataset`` with tfspeed's engine; see
-    ``tfspeed.training.api.fit`` (imported lazily: ``import tfspeed`` stays free of TensorFlow)."""
-    from tfspeed.training.api import fit as _fit
-
-    return _fit(*args, **kwargs)
+__all__ = ["__version__", "fit", "split_cpu"]
 
 
 def split_cpu(replicas: int) -> None:
