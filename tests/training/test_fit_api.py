@@ -1,6 +1,6 @@
 """``tfspeed.fit`` as a Keras user meets it: a model the labels do not fit fails in one line
-before any step (the precision probe's included), and ``help(tfspeed.fit)`` shows the real
-parameters."""
+before any step (the precision probe's included), Keras callbacks are called as Keras' own
+``fit`` calls them, and ``help(tfspeed.fit)`` shows the real parameters."""
 
 import inspect
 import logging
@@ -68,6 +68,86 @@ def test_what_a_script_with_too_few_outputs_shows(tmp_path):
     assert "During handling of the above exception" not in done.stderr
 
 
+class Recorder(keras.callbacks.Callback):
+    """Every hook Keras' fit calls, in order, with the keys of its logs."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def _add(self, hook, index=None, logs=None):
+        self.calls.append((hook, index, sorted(logs or {})))
+
+    def on_train_begin(self, logs=None):
+        self._add("train_begin", None, logs)
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._add("epoch_begin", epoch, logs)
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self._add("batch_begin", batch, logs)
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._add("batch_end", batch, logs)
+        self.batch_logs = logs
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._add("epoch_end", epoch, logs)
+        self.epoch_logs = logs
+
+    def on_train_end(self, logs=None):
+        self._add("train_end", None, logs)
+
+
+def test_keras_callbacks_hear_every_hook_in_keras_order(tmp_path):
+    """2 epochs of 6 batches in calls of up to 3 (steps_per_execution): each call is one
+    batch_begin/batch_end pair with the epoch's batch indices, as Keras' fit does; epoch logs
+    hold the loss and metrics, and val_* where an evaluation fell (every epoch here)."""
+    train, history = _three_classes(), keras.callbacks.History()
+    recorder = Recorder()
+    report = tfspeed.fit(lambda: keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)]),
+                         train, train.take(2), epochs=2, steps_per_execution=3,
+                         eval_every_epochs=1, precision="float32", model_dir=str(tmp_path),
+                         callbacks=[recorder, history])
+    epoch_keys = ["accuracy", "loss", "val_accuracy", "val_loss"]
+    expected = [("train_begin", None, [])]
+    # The first call runs one step (it traces the step function), then calls of 3 from there.
+    for epoch, calls in enumerate([[(0, 0), (1, 2), (3, 5)], [(0, 2), (3, 5)]]):
+        expected.append(("epoch_begin", epoch, []))
+        for first, last in calls:
+            expected += [("batch_begin", first, []), ("batch_end", last, ["accuracy", "loss"])]
+        expected.append(("epoch_end", epoch, epoch_keys))
+    assert recorder.calls == [*expected, ("train_end", None, epoch_keys)]
+    assert recorder.model is report["model"]
+    # The last epoch's val_* is the final evaluation.
+    assert recorder.epoch_logs["val_loss"] == pytest.approx(report["eval_metrics"]["loss"])
+    assert all(isinstance(v, float) for v in recorder.batch_logs.values())
+    # keras.callbacks.History works as under Keras' fit: one value per epoch.
+    assert history.epoch == [0, 1] and sorted(history.history) == epoch_keys
+    assert all(len(values) == 2 for values in history.history.values())
+    assert history.history["val_loss"][-1] == pytest.approx(report["eval_metrics"]["loss"])
+
+
+class StopAtFirstEpoch(keras.callbacks.Callback):
+    def on_epoch_end(self, epoch, logs=None):
+        self.model.stop_training = True
+
+
+def test_a_callback_stops_training_as_under_keras(tmp_path):
+    """``self.model.stop_training = True`` (what EarlyStopping does) ends the run after that
+    epoch: the model is saved and evaluated, and the callbacks hear of the end."""
+    recorder = Recorder()
+    report = tfspeed.fit(lambda: keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)]),
+                         _three_classes(), epochs=3, steps_per_execution=2,
+                         precision="float32", model_dir=str(tmp_path),
+                         callbacks=[StopAtFirstEpoch(), recorder])
+    assert report["optimizer_updates"] == report["micro_steps"] == 6
+    hooks = [(hook, index) for hook, index, _ in recorder.calls]
+    assert hooks[-2:] == [("epoch_end", 0), ("train_end", None)]
+    assert ("epoch_begin", 1) not in hooks
+    assert (tmp_path / "report.json").exists()
+
+
 def test_help_shows_the_real_parameters():
     parameters = inspect.signature(tfspeed.fit).parameters
     assert list(parameters)[:3] == ["model", "train", "validation"]
@@ -86,3 +166,19 @@ def test_import_tfspeed_does_not_start_tensorflow():
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().splitlines()[-1] == "False"
     assert "steps_per_execution" in done.stdout and "**kwargs" not in done.stdout
+
+
+def test_callbacks_pair_their_hooks_while_steps_per_execution_is_tuned(tmp_path):
+    """steps_per_execution=auto: the tuner's probe calls are training calls too, each one
+    batch_begin/batch_end pair; every epoch begins and ends once, in order."""
+    recorder = Recorder()
+    report = tfspeed.fit(lambda: keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)]),
+                         _three_classes(batch=8), epochs=35, precision="float32",
+                         model_dir=str(tmp_path), callbacks=[recorder])
+    assert report["steps_per_execution"]["probe_steps"] > 1  # the tuner probed
+    hooks = [(hook, index) for hook, index, _ in recorder.calls]
+    epochs = [(hook, index) for hook, index in hooks if hook.startswith("epoch")]
+    assert epochs == [(f"epoch_{edge}", e) for e in range(35) for edge in ("begin", "end")]
+    batches = [hook for hook, _ in hooks if hook.startswith("batch")]
+    assert batches == ["batch_begin", "batch_end"] * (len(batches) // 2)
+    assert hooks[0] == ("train_begin", None) and hooks[-1] == ("train_end", None)
