@@ -131,4 +131,6 @@ class Callbacks:
 
 
 def _overrides(callback, method: str) -> bool:
-    return getattr(type(callback), method) is not getattr(keras.callbacks.Callback, method)
+    """Whether ``callback`` has its own ``method`` (a subclass's or ``LambdaCallback``'s):
+    Keras marks the base class's empty hooks ``_is_default``, and tests them the same way."""
+    return not getattr(getattr(callback, method), "_is_default", False)
