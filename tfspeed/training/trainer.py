@@ -16,9 +16,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-import signal
 import sys
-import threading
 import time
 
 import keras
@@ -39,22 +37,9 @@ from tfspeed.training.optimizers import (
     make_optimizer,
     peak_learning_rate,
 )
+from tfspeed.training.stops import Stopped, StopRequests  # noqa: F401 -- Stopped re-exported
 from tfspeed.tuning import autotune
 from tfspeed.util import locks
-
-
-class Stopped(Exception):
-    """Training stopped by SIGTERM/SIGINT after a final checkpoint; rerunning resumes it.
-
-    Attributes:
-      exit_status: 128 + the signal number (143 for SIGTERM), the shell convention.
-    """
-
-    def __init__(self, signum: int, updates: int):
-        name = signal.Signals(signum).name
-        super().__init__(f"stopped by {name} at update {updates}; "
-                         "rerun the same command to resume")
-        self.exit_status = 128 + signum
 
 
 @dataclasses.dataclass
@@ -244,7 +229,7 @@ def _fit(engine, train_data, eval_data, config, runtime, steps_per_epoch, eval_s
     # A signal reaches one worker of a multi-worker job first; one stopping alone would
     # leave the others waiting in a collective. There, SIGTERM ends the process and the
     # job resumes from the last periodic checkpoint (python -m tfspeed.launch restarts it).
-    with _StopRequests(enabled=not multi_worker) as stop:
+    with StopRequests(enabled=not multi_worker) as stop:
         loop.run(iterator, checkpoints, stop)
     fit_seconds = time.perf_counter() - start - loop.eval_seconds
     checkpoints.save(final=True)
@@ -283,32 +268,6 @@ def _fast_forward(iterator, batches: int) -> None:
         logging.info("resuming the data stream %d batches into its epoch", batches)
         for _ in range(batches):
             next(iterator)
-
-
-class _StopRequests:
-    """While active, SIGTERM and SIGINT only set ``signum``: the loop ends its current
-    execution, and ``fit`` saves and raises ``Stopped``. A second signal acts at once (the
-    previous handler is back). Signal handlers exist only in the main thread."""
-
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
-    def __init__(self, enabled: bool = True):
-        self.signum = 0
-        self.enabled = enabled
-        self._previous: dict = {}
-
-    def __enter__(self) -> _StopRequests:
-        if self.enabled and threading.current_thread() is threading.main_thread():
-            self._previous = {s: signal.signal(s, self._request) for s in self.SIGNALS}
-        return self
-
-    def _request(self, signum, frame) -> None:
-        self.signum = signum
-        signal.signal(signum, self._previous[signum])
-
-    def __exit__(self, *exc) -> None:
-        for s, handler in self._previous.items():
-            signal.signal(s, handler)
 
 
 class _Loop:
