@@ -14,6 +14,7 @@ import pytest
 import tensorflow as tf
 
 import tfspeed
+import tfspeed.data
 from tests.conftest import REPO
 from tfspeed.errors import UsageError
 
@@ -182,3 +183,21 @@ def test_callbacks_pair_their_hooks_while_steps_per_execution_is_tuned(tmp_path)
     batches = [hook for hook, _ in hooks if hook.startswith("batch")]
     assert batches == ["batch_begin", "batch_end"] * (len(batches) // 2)
     assert hooks[0] == ("train_begin", None) and hooks[-1] == ("train_end", None)
+
+
+def test_token_batches_with_too_few_outputs_fail_in_one_line(text_dirs, tmp_path):
+    """Token batches (labels [batch, T], logits [batch, T, vocabulary]) are checked as plain
+    ones: a language model with 16 outputs for a 300-id vocabulary."""
+    train = tfspeed.data.build(text_dirs["lm"], "train", 8, batching="bucket").take(4)
+
+    def build():
+        tokens = keras.Input((None,), dtype="int32", name="tokens")
+        segments = keras.Input((None,), dtype="int32", name="segment_ids")
+        positions = keras.Input((None,), dtype="int32", name="positions")
+        logits = keras.layers.Dense(16)(keras.layers.Embedding(300, 8)(tokens))
+        return keras.Model({"tokens": tokens, "segment_ids": segments, "positions": positions},
+                           logits)
+
+    with pytest.raises(UsageError, match=r"the model outputs 16 classes, but train's labels "
+                                         r"reach \d+; end the model with keras.layers.Dense"):
+        tfspeed.fit(build, train, task="lm", precision="measure", model_dir=str(tmp_path))

@@ -55,7 +55,7 @@ def prepare(config, model, train, validation=None, *, strategy=None, task=None, 
 
     def build(rt):  # every model of the job, the probe's included, checked as it is built
         built = _build(model, rt, first)
-        if task == "classification":
+        if task in ("classification", "lm"):
             check_classes(built, first, "train")
         return built, _objectives(built, loss, metrics, task, sequences)
 
@@ -121,14 +121,18 @@ def token_batches(dataset) -> bool:
 
 def check_classes(model, batch, name: str) -> None:
     """A classifier's outputs cover the first batch's labels: the command line checks the
-    model against the schema's classes; here the data's own labels are all there is."""
+    model against the schema's classes; here the data's own labels are all there is. Scores
+    have a classes axis after the labels' (``[batch]``, token batches' ``[batch, S]`` or
+    ``[batch, T]``), or after a label axis of 1."""
     import keras
     import numpy as np
 
     x, y = batch
-    labels = np.asarray(keras.tree.flatten(y)[0])
+    labels = np.asarray(keras.tree.flatten(y)[0])  # token batches: "label" before "weight"
     outputs = keras.tree.flatten(model(x, training=False))[0]
-    if len(outputs.shape) != 2 or outputs.shape[-1] == 1 or labels.dtype.kind not in "iu":
+    rank = len(outputs.shape)
+    scores = rank == labels.ndim + 1 or (rank == labels.ndim and labels.shape[-1] == 1)
+    if rank < 2 or not scores or outputs.shape[-1] == 1 or labels.dtype.kind not in "iu":
         return
     n, top = int(outputs.shape[-1]), int(np.max(labels))
     if top >= n:
