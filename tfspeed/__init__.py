@@ -1,9 +1,10 @@
 """tfspeed: make TensorFlow/Keras training as fast as the hardware allows.
 
-Measure first, then remove the bottleneck. The package is split by concern:
-``tfspeed.convert`` (the converter), ``tfspeed.data`` (tf.data pipeline builders),
-``tfspeed.runtime`` (strategy, precision, XLA), ``tfspeed.training.models``, ``tfspeed.training.trainer`` and
-the ``tfspeed.train`` entry point.
+Measure first, then remove the bottleneck. From Python: ``tfspeed.fit`` (your own Keras model
+and ``tf.data.Dataset`` on tfspeed's engine), ``tfspeed.data.build`` (the input pipeline of a
+converted dataset), ``tfspeed.convert.convert`` (the converter) and ``tfspeed.split_cpu``.
+The commands: ``python -m tfspeed.train`` (``tune``, ``diagnose``, ``verify``, ...).
+``import tfspeed`` does not start TensorFlow; the first call that needs it does.
 """
 
 import importlib.util
@@ -35,7 +36,17 @@ _hostmem.apply()
 # only when called, so `import tfspeed` stays free of it.
 from tfspeed.training.api import fit  # noqa: E402
 
-__all__ = ["__version__", "fit", "split_cpu"]
+__all__ = ["__version__", "convert", "data", "fit", "split_cpu"]
+
+# Imported on first use (PEP 562), as `import tfspeed; tfspeed.data.build(...)` expects;
+# neither starts TensorFlow.
+_SUBPACKAGES = ("config", "convert", "data", "runtime", "training")
+
+
+def __getattr__(name: str):
+    if name in _SUBPACKAGES:
+        return importlib.import_module(f"tfspeed.{name}")
+    raise AttributeError(f"module 'tfspeed' has no attribute {name!r}")
 
 
 def split_cpu(replicas: int) -> None:

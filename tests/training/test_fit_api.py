@@ -14,7 +14,6 @@ import pytest
 import tensorflow as tf
 
 import tfspeed
-import tfspeed.data
 from tests.conftest import REPO
 from tfspeed.errors import UsageError
 
@@ -154,18 +153,19 @@ def test_help_shows_the_real_parameters():
     assert list(parameters)[:3] == ["model", "train", "validation"]
     assert {"epochs", "steps", "callbacks", "precision"} <= set(parameters)
     assert "Args:" in tfspeed.fit.__doc__ and "callbacks:" in tfspeed.fit.__doc__
-    assert {"fit", "split_cpu", "__version__"} <= set(tfspeed.__all__)
+    assert {"fit", "split_cpu", "data", "convert", "__version__"} <= set(tfspeed.__all__)
     for name in tfspeed.__all__:
         assert getattr(tfspeed, name) is not None
 
 
 def test_import_tfspeed_does_not_start_tensorflow():
     """``import tfspeed`` stays cheap: TensorFlow starts at the first call that needs it."""
-    code = "import sys, tfspeed; help(tfspeed.fit); print('tensorflow' in sys.modules)"
+    code = ("import sys, tfspeed; help(tfspeed.fit); tfspeed.data, tfspeed.convert.convert; "
+            "print('tensorflow' in sys.modules); print(callable(tfspeed.data.build))")
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
                           text=True, timeout=120, env={**os.environ, "PAGER": "cat"})
     assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.strip().splitlines()[-1] == "False"
+    assert done.stdout.strip().splitlines()[-2:] == ["False", "True"]
     assert "steps_per_execution" in done.stdout and "**kwargs" not in done.stdout
 
 
