@@ -1,9 +1,10 @@
 """tfspeed: make TensorFlow/Keras training as fast as the hardware allows.
 
-Measure first, then remove the bottleneck. The package is split by concern:
-``tfspeed.convert`` (the converter), ``tfspeed.data`` (tf.data pipeline builders),
-``tfspeed.runtime`` (strategy, precision, XLA), ``tfspeed.training.models``, ``tfspeed.training.trainer`` and
-the ``tfspeed.train`` entry point.
+Measure first, then remove the bottleneck. From Python: ``tfspeed.fit`` (your own Keras model
+and ``tf.data.Dataset`` on tfspeed's engine), ``tfspeed.data.build`` (the input pipeline of a
+converted dataset), ``tfspeed.convert.convert`` (the converter) and ``tfspeed.split_cpu``.
+The commands: ``python -m tfspeed.train`` (``tune``, ``diagnose``, ``verify``, ...).
+``import tfspeed`` does not start TensorFlow; the first call that needs it does.
 """
 
 import importlib.util
@@ -31,13 +32,21 @@ from tfspeed.runtime import hostmem as _hostmem  # noqa: E402
 
 _hostmem.apply()
 
+# tfspeed.fit itself, its signature and docstring for help(): its module imports TensorFlow
+# only when called, so `import tfspeed` stays free of it.
+from tfspeed.training.api import fit  # noqa: E402
 
-def fit(*args, **kwargs):
-    """Trains your own Keras model on any ``tf.data.Dataset`` with tfspeed's engine; see
-    ``tfspeed.training.api.fit`` (imported lazily: ``import tfspeed`` stays free of TensorFlow)."""
-    from tfspeed.training.api import fit as _fit
+__all__ = ["__version__", "convert", "data", "fit", "split_cpu"]
 
-    return _fit(*args, **kwargs)
+# Imported on first use (PEP 562), as `import tfspeed; tfspeed.data.build(...)` expects;
+# neither starts TensorFlow.
+_SUBPACKAGES = ("config", "convert", "data", "runtime", "training")
+
+
+def __getattr__(name: str):
+    if name in _SUBPACKAGES:
+        return importlib.import_module(f"tfspeed.{name}")
+    raise AttributeError(f"module 'tfspeed' has no attribute {name!r}")
 
 
 def split_cpu(replicas: int) -> None:

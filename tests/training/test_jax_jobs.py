@@ -91,10 +91,13 @@ def build():
     return keras.Model({"tokens": tokens, "segment_ids": segments, "positions": positions},
                        logits)
 
+history, batches = keras.callbacks.History(), []
+seen = keras.callbacks.LambdaCallback(on_train_batch_end=lambda b, logs: batches.append(logs))
 report = tfspeed.fit(build, train, validation, steps=12, model_dir=model_dir,
-                     learning_rate=0.01)
+                     learning_rate=0.01, callbacks=[history, seen])
 print(json.dumps({"backend": report["runtime"]["backend"], "loss": report["eval_metrics"]["loss"],
-                  "updates": report["optimizer_updates"]}))
+                  "updates": report["optimizer_updates"], "epochs": history.epoch,
+                  "val_loss": history.history["val_loss"], "batch_logs": batches}))
 '''
 
 
@@ -105,6 +108,11 @@ def test_fit_on_jax_trains_a_masked_keras_model_on_bucketed_text(short_texts, tm
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["backend"] == "jax" and result["updates"] == 12
     assert np.isfinite(result["loss"])
+    # Keras callbacks on JAX: one epoch (12 steps of an endless dataset), its val_loss the
+    # final evaluation, and a LambdaCallback's batch ends hold the loss and accuracy.
+    assert result["epochs"] == [0] and result["val_loss"] == [result["loss"]]
+    logs = result["batch_logs"]
+    assert logs and all(sorted(b) == ["accuracy", "loss"] and np.isfinite(b["loss"]) for b in logs)
 
 
 def test_a_backend_without_an_engine_is_one_line(digits_dir, tmp_path):

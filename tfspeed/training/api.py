@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import inspect
 import os
 from collections.abc import Sequence
 
@@ -80,7 +79,7 @@ def fit(model, train, validation=None, *, epochs: int | None = None,
     """
     import tensorflow as tf
 
-    from tfspeed.training import checkpoints, report, trainer
+    from tfspeed.training import checkpoints, fit_job, report, trainer
 
     if not isinstance(train, tf.data.Dataset):
         raise UsageError(f"train must be a tf.data.Dataset of (x, y) batches, got "
@@ -97,18 +96,16 @@ def fit(model, train, validation=None, *, epochs: int | None = None,
                         strategy=strategy, cpu_replicas=cpu_replicas,
                         precision=precision, xla=xla, model_dir=model_dir)
     os.makedirs(config.model_dir, exist_ok=True)
-    with locked_model_dir(config.model_dir, "model_dir"):
-        job = _job(model, train, config, strategy, task, loss, metrics)
-        distribute = job.runtime.strategy.experimental_distribute_dataset
-        with _label_errors(job.model):
-            result = trainer.fit(
-                job.model, distribute(job.data),
-                distribute(validation) if validation is not None else None,
-                config.train, job.runtime, steps_per_epoch=job.per_epoch, eval_steps=None,
-                global_batch_size=job.batch, model_dir=config.model_dir,
-                objectives=job.objectives, callbacks=callbacks,
-                optimizer=None if isinstance(optimizer, str) else optimizer,
-                weight_scale=job.weight_scale)
+    with locked_model_dir(config.model_dir, "model_dir"), fit_job.label_errors():
+        job = fit_job.prepare(config, model, train, validation, strategy=strategy, task=task,
+                              loss=loss, metrics=metrics)
+        result = trainer.fit(
+            job.model, job.train_data, job.eval_data, config.train, job.runtime,
+            steps_per_epoch=job.steps_per_epoch, eval_steps=None,
+            global_batch_size=job.config.data.batch_size,
+            model_dir=config.model_dir, objectives=job.objectives, callbacks=callbacks,
+            optimizer=None if isinstance(optimizer, str) else optimizer,
+            weight_scale=job.token_weight)
         out = {**dataclasses.asdict(result), "runtime": job.runtime.to_json(),
                "objectives": job.objectives.report, "model_dir": config.model_dir,
                "config": config.to_json(), **_image_input(train)}
@@ -138,87 +135,6 @@ def _image_input(train) -> dict:
         "compiled step")
     logging.warning("%s", advice)
     return {"input": {"image_dtype": x.dtype.name, "advice": advice}}
-
-
-@dataclasses.dataclass
-class _FitJob:
-    """What ``tfspeed.fit`` resolved before training: the data as the engine takes it (never
-    rebatched for token batches), the model, objectives and runtime."""
-
-    data: object
-    model: object
-    objectives: object
-    runtime: object
-    batch: int
-    per_epoch: int
-    weight_scale: float | None
-
-
-def _job(model, train, config, strategy, task, loss, metrics) -> _FitJob:
-    """The job of a ``tfspeed.fit`` call, resolved as the driver resolves its own (the
-    same runtime rules, precision probe and XLA choice for static token batches)."""
-    import tensorflow as tf
-
-    from tfspeed import runtime
-    from tfspeed.training import job as job_lib
-    from tfspeed.training import objectives
-
-    rt = _runtime(strategy, config.runtime, model)
-    sequences = _token_batches(train)
-    endless = int(train.cardinality()) == tf.data.INFINITE_CARDINALITY
-    first, batch, per_epoch = _batch_and_epoch(train, config.train)
-    if sequences:  # packed rows have one static shape: XLA compiles them once
-        static = first[0]["tokens"].shape.is_fully_defined() and all(
-            s.shape.is_fully_defined() for s in tf.nest.flatten(train.element_spec))
-        rt = runtime.for_batching(rt, config.runtime, "pack" if static else "bucket")
-    task = task or ("classification" if sequences else "regression"
-                    if train.element_spec[1].dtype.is_floating else "classification")
-    run_steps = config.train.train_steps * config.train.grad_accum_steps or (
-        config.train.epochs * per_epoch)
-    if callable(model) and not isinstance(model, _keras_model()) and \
-            job_lib.precision_to_measure(config, rt):
-        held = iter(rt.strategy.experimental_distribute_dataset(
-            tf.data.Dataset.from_tensors(first).repeat()))
-
-        def engine_for(policy):
-            built = _build(model, rt, first)
-            goals = objectives.resolve(loss or "", metrics, task, built, sequences=sequences)
-            return _probe_engine(built, goals, config, rt, batch, sequences, first)
-
-        rt = job_lib.measure_precision(config, rt, engine_for, held, run_steps)
-    built = _build(model, rt, first)
-    goals = objectives.resolve(loss or "", metrics, task, built, sequences=sequences)
-    if task == "classification":
-        _check_classes(built, first, "train")
-    if sequences:  # as they come: a bucket's batches differ in rows and width
-        data = train if endless else train.repeat()
-    else:
-        data = (train if endless else train.repeat()).rebatch(batch, drop_remainder=True)
-    return _FitJob(data, built, goals, rt, batch, per_epoch,
-                   _first_weight(first) if sequences else None)
-
-
-def _probe_engine(model, goals, config, rt, batch, sequences, first):
-    """An engine for the precision probe of ``tfspeed.fit``."""
-    from tfspeed.training import job as job_lib
-    from tfspeed.training import trainer
-
-    return trainer.make_engine(model, goals, config.train, rt, batch, job_lib.PROBE_UPDATES,
-                               weight_scale=_first_weight(first) if sequences else None)
-
-
-def _first_weight(batch) -> float:
-    """Token batches: the first batch's weight (real tokens, or sequences): the constant
-    each micro-batch's summed loss is divided by, so it keeps a mean's magnitude."""
-    import numpy as np
-
-    return max(1.0, float(np.asarray(batch[1]["weight"]).sum()))
-
-
-def _keras_model():
-    import keras
-
-    return keras.Model
 
 
 def fit_config(*, model_dir: str | None = None, **given):
@@ -251,124 +167,3 @@ def locked_model_dir(model_dir: str, flag: str = "--model_dir"):
         yield lock
     finally:
         lock.release()
-
-
-def _token_batches(dataset) -> bool:
-    """Whether ``dataset`` holds token batches (``tfspeed.data.sequences``' contract): targets
-    ``{"label", "weight"}``, trained with a loss per real token or per sequence."""
-    targets = dataset.element_spec[1]
-    return isinstance(targets, dict) and {"label", "weight"} <= set(targets)
-
-
-def _check_classes(model, batch, name: str) -> None:
-    """A classifier's outputs cover the first batch's labels: the command line checks the
-    model against the schema's classes; here the data's own labels are all there is."""
-    import keras
-    import numpy as np
-
-    x, y = batch
-    labels = np.asarray(keras.tree.flatten(y)[0])
-    outputs = keras.tree.flatten(model(x, training=False))[0]
-    if len(outputs.shape) != 2 or outputs.shape[-1] == 1 or labels.dtype.kind not in "iu":
-        return
-    n, top = int(outputs.shape[-1]), int(np.max(labels))
-    if top >= n:
-        raise UsageError(f"the model outputs {n} classes, but {name}'s labels reach {top}; end "
-                         f"the model with keras.layers.Dense({top + 1}) or more, or relabel "
-                         f"to 0..{n - 1}")
-
-
-@contextlib.contextmanager
-def _label_errors(model):
-    """A label past the model's outputs, met during training (the first batch was fine):
-    one line instead of TensorFlow's traceback."""
-    import tensorflow as tf
-
-    try:
-        yield
-    except tf.errors.InvalidArgumentError as e:
-        text = str(e.message)
-        marker = "Received a label value of "
-        if marker not in text:
-            raise
-        found = text[text.index(marker):].split("\n")[0].split(".")[0]
-        raise UsageError(f"{found.lower()}: the model has fewer outputs than the data has "
-                         f"classes; end it with keras.layers.Dense(number of classes)"
-                         ) from None
-
-
-def _runtime(strategy, config, model):
-    """The Runtime: resolved from ``config``, or around a strategy object."""
-    import keras
-
-    from tfspeed import runtime
-
-    built = isinstance(model, keras.Model)
-    jax = runtime.backend() == "jax"  # the engine places the arrays: no scope to build in
-    if built:  # its layers have their dtypes already
-        config = dataclasses.replace(config, precision=model.dtype_policy.name)
-    if strategy is not None and not isinstance(strategy, str) and jax:
-        raise UsageError(f"strategy={type(strategy).__name__} is TensorFlow's; on the JAX "
-                         "backend pass strategy='mirrored' (data parallel over the devices) or "
-                         "'default'")
-    if strategy is None or isinstance(strategy, str):
-        if built and config.strategy not in ("auto", "default") and not jax:
-            raise UsageError(f"strategy={config.strategy!r} needs the model built in its scope: "
-                             "pass a function that builds the model, and tfspeed calls it there")
-        if built:
-            config = dataclasses.replace(config, strategy="default")
-        return runtime.setup(config)
-    plan = runtime.resolve(dataclasses.replace(config, strategy="default"),
-                           runtime.detect_hardware())
-    plan = dataclasses.replace(plan, strategy=type(strategy).__name__,
-                               reasons={**plan.reasons, "strategy": "given"})
-    keras.mixed_precision.set_global_policy(plan.precision)
-    return runtime.Runtime(strategy=strategy, plan=plan)
-
-
-def _batch_and_epoch(train, config) -> tuple[tuple, int, int]:
-    """The first batch, the global batch (its size) and the batches in one pass (an endless
-    dataset, with ``steps=``: the run's micro-steps)."""
-    import tensorflow as tf
-
-    first = next(iter(train), None)
-    if first is None:
-        raise UsageError("train is empty: give tfspeed.fit a dataset with at least one batch")
-    if not isinstance(first, (tuple, list)) or len(first) != 2:
-        raise UsageError("train must yield (x, y) batches; map it to pairs, e.g. "
-                         "ds.map(lambda d: (d['image'], d['label']))")
-    labels = tf.nest.flatten(first[1])[0]
-    if labels.shape.rank == 0:
-        raise UsageError("train yields single examples (its labels have no batch axis); "
-                         "batch it first: train.batch(N)")
-    batch = int(tf.shape(labels)[0])
-    count = int(train.cardinality())
-    if count == tf.data.INFINITE_CARDINALITY and not config.train_steps:
-        raise UsageError("train repeats forever: give tfspeed.fit steps= (updates), or a "
-                         "finite dataset with epochs=")
-    if config.train_steps and count < 0:  # endless, or of unknown length: steps= bounds it
-        return first, batch, config.train_steps * config.grad_accum_steps
-    if count == tf.data.UNKNOWN_CARDINALITY:
-        count = int(train.reduce(0, lambda n, _: n + 1))  # one pass to count the batches
-    return first, batch, max(count, 1)
-
-
-def _build(model, rt, first):
-    """The model, built (called once on the first batch) in the strategy's scope."""
-    import keras
-
-    if isinstance(model, keras.Model):
-        built = model
-    elif callable(model) and not inspect.signature(model).parameters:
-        with rt.strategy.scope():
-            built = model()
-        if not isinstance(built, keras.Model):
-            raise UsageError(f"the model function returned {type(built).__name__}, not a "
-                             "keras.Model")
-    else:
-        raise UsageError("model must be a keras.Model or a function of no arguments that "
-                         "builds one")
-    if not built.built:
-        with rt.strategy.scope():
-            built(first[0])
-    return built

@@ -45,6 +45,7 @@ class Job:
     objectives: object = None  # the loss and metrics (tfspeed.training.objectives)
     epoch_batches: int = 0  # token data: batches in one pass (a batch is a token budget)
     batching: object = None  # token data: the resolved ``tfspeed.data.text.Batching``
+    token_weight: float | None = None  # tfspeed.fit's token batches: divides each loss sum
 
     @property
     def train_data_config(self):

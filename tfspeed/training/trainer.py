@@ -16,9 +16,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-import signal
 import sys
-import threading
 import time
 
 import keras
@@ -32,28 +30,16 @@ from tfspeed.diagnosis import profiling
 from tfspeed.errors import UsageError
 from tfspeed.runtime import Runtime
 from tfspeed.training import meters
+from tfspeed.training.callbacks import Callbacks
 from tfspeed.training.checkpoints import Checkpoints, LossDiverged  # noqa: F401 -- re-exported
 from tfspeed.training.engine import Engine, EngineOptions
 from tfspeed.training.optimizers import (
     make_optimizer,
     peak_learning_rate,
 )
+from tfspeed.training.stops import Stopped, StopRequests  # noqa: F401 -- Stopped re-exported
 from tfspeed.tuning import autotune
 from tfspeed.util import locks
-
-
-class Stopped(Exception):
-    """Training stopped by SIGTERM/SIGINT after a final checkpoint; rerunning resumes it.
-
-    Attributes:
-      exit_status: 128 + the signal number (143 for SIGTERM), the shell convention.
-    """
-
-    def __init__(self, signum: int, updates: int):
-        name = signal.Signals(signum).name
-        super().__init__(f"stopped by {name} at update {updates}; "
-                         "rerun the same command to resume")
-        self.exit_status = 128 + signum
 
 
 @dataclasses.dataclass
@@ -174,8 +160,8 @@ def fit(
       model_dir: checkpoints and TensorBoard logs go below it.
       preprocess: ``x -> x`` on each batch's inputs inside the compiled step.
       objectives: the resolved loss and metrics (``tfspeed.training.objectives.resolve``).
-      callbacks: ``keras.callbacks.Callback``s: ``on_train_begin``/``end`` and
-        ``on_epoch_end(epoch, logs)`` with the last logged training metrics.
+      callbacks: ``keras.callbacks.Callback``s, called as Keras' ``fit`` calls them
+        (``tfspeed.training.callbacks``); ``model.stop_training`` ends the run.
       optimizer: a Keras optimizer made in the strategy's scope, instead of the one
         ``config`` describes.
       weight_scale: token data: one micro-batch's expected weight (``make_engine``).
@@ -234,16 +220,16 @@ def _fit(engine, train_data, eval_data, config, runtime, steps_per_epoch, eval_s
     elif resumed and not checkpoints.restores_position:
         _fast_forward(iterator, int(engine.micro_steps) % steps_per_epoch)
     evaluate = (lambda: engine.evaluate(eval_data, eval_steps)) if eval_data is not None else None
+    hooks = Callbacks(callbacks, engine.model, steps_per_epoch, total_updates * k,
+                      engine.metric_names, sync=engine.sync_model)
     loop = _Loop(engine, config, global_batch_size, write_dir, total_updates * k, steps_per_epoch,
-                 agree=runtime.mean_over_workers, callbacks=callbacks, evaluate=evaluate)
-    for callback in callbacks:
-        callback.set_model(engine.model)
-        callback.on_train_begin()
+                 agree=runtime.mean_over_workers, hooks=hooks, evaluate=evaluate)
+    hooks.train_begin()
     start = time.perf_counter()
     # A signal reaches one worker of a multi-worker job first; one stopping alone would
     # leave the others waiting in a collective. There, SIGTERM ends the process and the
     # job resumes from the last periodic checkpoint (python -m tfspeed.launch restarts it).
-    with _StopRequests(enabled=not multi_worker) as stop:
+    with StopRequests(enabled=not multi_worker) as stop:
         loop.run(iterator, checkpoints, stop)
     fit_seconds = time.perf_counter() - start - loop.eval_seconds
     checkpoints.save(final=True)
@@ -252,9 +238,8 @@ def _fit(engine, train_data, eval_data, config, runtime, steps_per_epoch, eval_s
         raise Stopped(stop.signum, int(engine.updates))
     eval_metrics = loop.evaluate_now(int(engine.micro_steps), fit_seconds) if evaluate else {}
     loop.flush()
-    for callback in callbacks:
-        callback.on_train_end({**loop.last_metrics,
-                               **{f"val_{name}": v for name, v in eval_metrics.items()}})
+    hooks.end_epoch(eval_metrics)  # the last epoch's: evaluated at the end of the run
+    hooks.train_end({**loop.last_metrics, **{f"val_{name}": v for name, v in eval_metrics.items()}})
     return FitResult(
         train_metrics=loop.last_metrics,
         history=loop.history,
@@ -285,38 +270,12 @@ def _fast_forward(iterator, batches: int) -> None:
             next(iterator)
 
 
-class _StopRequests:
-    """While active, SIGTERM and SIGINT only set ``signum``: the loop ends its current
-    execution, and ``fit`` saves and raises ``Stopped``. A second signal acts at once (the
-    previous handler is back). Signal handlers exist only in the main thread."""
-
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
-    def __init__(self, enabled: bool = True):
-        self.signum = 0
-        self.enabled = enabled
-        self._previous: dict = {}
-
-    def __enter__(self) -> _StopRequests:
-        if self.enabled and threading.current_thread() is threading.main_thread():
-            self._previous = {s: signal.signal(s, self._request) for s in self.SIGNALS}
-        return self
-
-    def _request(self, signum, frame) -> None:
-        self.signum = signum
-        signal.signal(signum, self._previous[signum])
-
-    def __exit__(self, *exc) -> None:
-        for s, handler in self._previous.items():
-            signal.signal(s, handler)
-
-
 class _Loop:
     """Runs executions of micro-steps until ``total_micro`` and reports along the way."""
 
     def __init__(self, engine: Engine, config: TrainConfig, global_batch_size: int,
                  model_dir: str, total_micro: int, steps_per_epoch: int,
-                 agree=lambda value: value, callbacks=(), evaluate=None):
+                 agree=lambda value: value, hooks=None, evaluate=None):
         self.engine, self.config, self.total_micro = engine, config, total_micro
         self.evaluate = evaluate  # () -> metrics over the eval split, or None
         # Micro-steps between evaluations during the run (0: only the one at the end).
@@ -325,7 +284,7 @@ class _Loop:
         self.eval_seconds = 0.0
         self._started = time.perf_counter()
         self.steps_per_epoch = steps_per_epoch
-        self.callbacks = list(callbacks)
+        self.hooks = hooks or Callbacks((), None, steps_per_epoch, total_micro, ())
         self.agree = agree  # makes timing-based choices identical on every worker
         self.k = config.grad_accum_steps
         self.meter = meters.ThroughputMeter(global_batch_size, os.path.join(model_dir, "logs", "train"))
@@ -356,7 +315,7 @@ class _Loop:
             # (in calls as long as the window allows), then tune on the steps after it.
             done = self._steps(iterator, checkpoints, stop, done,
                                min(self.profile.last, self.total_micro), self.total_micro)
-        if is_auto(spe) and done < self.total_micro and not stop.signum:
+        if is_auto(spe) and done < self.total_micro and not stop.signum and not self.hooks.stop:
             probed_from = done
             spe, done = self._tune(iterator, done)
             # A probe (it may be skipped in a short run) traced the step function.
@@ -380,7 +339,7 @@ class _Loop:
         self._measured_from, self._waited, out = done, 0.0, None
         self._tokens = []
         start = done
-        while done < until and not stop.signum:
+        while done < until and not stop.signum and not self.hooks.stop:
             # Calls end on multiples of spe from the start (where logs and checkpoints fall),
             # but the one that traces runs one step, so that every later one is timed.
             n = min(spe - (done - start) % spe if self._warm else 1, until - done)
@@ -389,6 +348,8 @@ class _Loop:
                 n = self.profile.limit(done, n)
             if self.eval_every:  # a call ends where an evaluation falls
                 n = min(n, (done // self.eval_every + 1) * self.eval_every - done)
+            if self.hooks:  # and where an epoch ends, for Keras callbacks
+                n = min(n, (done // self.steps_per_epoch + 1) * self.steps_per_epoch - done)
             # A call that compiles (the first; on JAX also a new number of steps) is warm-up.
             warm_up = profiled or not self._warm or not self.engine.is_warm(n)
             if warm_up:
@@ -415,8 +376,8 @@ class _Loop:
                 evaluated = self.evaluate_now(done)
                 self.meter.restart()  # the evaluation is in no window
                 self._measured_from, self._waited = done, 0.0
-            if self.callbacks and done // self.steps_per_epoch > (done - n) // self.steps_per_epoch:
-                self._epoch_end(out, done, evaluated)
+            if self.hooks.epoch_ends(done, n):
+                self.hooks.end_epoch(evaluated)
         return done
 
     def evaluate_now(self, done: int, train_seconds: float | None = None) -> dict:
@@ -441,9 +402,9 @@ class _Loop:
     def _call(self, iterator, done: int, n: int, profiled: bool) -> dict:
         if profiled:
             with self.profile.trace(done):
-                out = self.engine.train_one(iterator)
+                out = self.hooks.call(done, n, lambda: self.engine.train_one(iterator))
         else:
-            out = self.engine.train(iterator, n)
+            out = self.hooks.call(done, n, lambda: self.engine.train(iterator, n))
         self._waited = self._waited + out["input_wait_s"]  # a device-side sum: no sync
         # Kept, not summed: a sum per call is an op per call (on JAX an eager dispatch that
         # cost more than a small model's step); they are summed at the next sync point.
@@ -500,16 +461,6 @@ class _Loop:
             logging.info("update %d/%d (micro-step %d): %s %s", updates,
                          self.total_micro // self.k, done, shown, rate)
 
-    def _epoch_end(self, out, done: int, evaluated: dict) -> None:
-        """Keras callbacks hear of each epoch the last execution finished (one host sync),
-        with the model's variables holding the trained values, and ``val_*`` where an
-        evaluation fell there."""
-        self.engine.sync_model()
-        logs = {name: float(out[name]) for name in ("loss", *self.engine.metric_names)}
-        logs.update({f"val_{name}": value for name, value in evaluated.items()})
-        for callback in self.callbacks:
-            callback.on_epoch_end(done // self.steps_per_epoch - 1, logs)
-
     def log_eval(self, metrics: dict, done: int) -> None:
         if metrics:
             with self.eval_writer.as_default(step=done):
@@ -529,8 +480,12 @@ class _Loop:
         engine takes N as a tensor, so trying values does not retrace.
         """
 
+        at = [done]  # where the next probe call starts, for the callbacks
+
         def run_call(n: int) -> None:
-            np.asarray(self.engine.train(iterator, n)["loss"])
+            np.asarray(self.hooks.call(at[0], n, lambda: self.engine.train(iterator, n),
+                                       end_epoch=True)["loss"])
+            at[0] += n
 
         n, used, self.tuning = autotune.tune_steps_per_execution(
             run_call, self.total_micro - done, self.steps_per_epoch, self.agree)
