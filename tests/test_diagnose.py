@@ -190,3 +190,52 @@ def test_in_step_input_is_measured_as_the_job_runs_it(digits_dir, tmp_path):
     assert not any("cannot tell" in line for line in lines)
     assert any(line.startswith("  input alone") and "in-step gather" in line for line in lines)
     assert "xprof's input analysis does not apply" in result["profile"]["conclusion"]
+
+
+def _compute_bound(precision_ms=None) -> dict:
+    """The text job's figures (a transformer far heavier than its input), with the step's
+    measured milliseconds in each precision where given."""
+    figures = _figures(
+        {"input_alone": 10_000.0, "compute_alone": 41.4, "together": 40.0}, batch=32,
+        input_wait_pct=0.5, profile={"input_wait_pct": 0.2},
+        stages_ms_per_batch={"read": 1.0},
+        memory={"peak_host_rss_mb": 1500.0, "host_total_mb": 24_000.0})
+    if precision_ms:
+        figures["precision"] = {"ms_per_step": precision_ms, "source": "a test"}
+    return figures
+
+
+def test_precision_advice_follows_the_probes_measurement_not_a_rule_of_thumb(digits_dir):
+    """The issue's job: the driver's probe measured float32 773.7 against bfloat16 799.1
+    ms/step and kept float32; diagnose then advised bfloat16 at "~1.5-3x" from the
+    hardware rule. Its advice now reads the probe, and gives none for a slower policy."""
+    import dataclasses
+
+    from tfspeed.data import schema as schema_lib
+    from tfspeed.diagnosis import precision
+    from tfspeed.runtime import Hardware, resolve
+    from tfspeed.tuning import autotune
+
+    config = _config(digits_dir, "/tmp/unused", data={"cache": "none"})
+    schema = schema_lib.read(digits_dir)
+    choice, why = autotune.choose_precision(
+        "mixed_bfloat16", {"float32": 0.7737, "mixed_bfloat16": 0.7991}, "auto")
+    plan = resolve(config.runtime, Hardware())
+    plan = dataclasses.replace(plan, precision=choice,
+                               reasons={**plan.reasons, "precision": why})
+    assert precision.probed(why) == {
+        "ms_per_step": {"float32": 773.7, "mixed_bfloat16": 799.1},
+        "source": precision.PROBE_SOURCE}
+    result = advice.decide(config, schema, plan, _compute_bound())
+    assert result["verdict"] == "compute-bound"
+    assert not [s for s in result["next_steps"] if "--precision=" in s["advice"]], result
+    # Measured faster by more than the probe's margin: advised, with the measured ratio.
+    faster = advice.decide(config, schema, resolve(config.runtime, Hardware()),
+                           _compute_bound({"float32": 700.0, "mixed_bfloat16": 500.0}))
+    step = next(s for s in faster["next_steps"] if "--precision=" in s["advice"])
+    assert "--precision=mixed_bfloat16" in step["advice"] and "500.0 ms" in step["advice"]
+    assert step["expected_gain"] == "1.40x measured"
+    # Within the noise (under 5% faster): nothing.
+    close = advice.decide(config, schema, resolve(config.runtime, Hardware()),
+                          _compute_bound({"float32": 700.0, "mixed_bfloat16": 680.0}))
+    assert not [s for s in close["next_steps"] if "--precision=" in s["advice"]]

@@ -132,3 +132,36 @@ def test_short_texts_in_long_packed_rows_name_their_attention_waste(short_texts,
     advice = [s["advice"] for s in written["next_steps"] if "--batching=" in s["advice"]]
     assert advice and "--batching=bucket" in advice[0], advice
     assert f"each token attends over all {batching['max_length']} positions" in advice[0]
+
+
+@pytest.mark.parametrize("given", ["measure", "float32"])
+def test_precision_advice_never_goes_against_its_measurement(short_texts, tmp_path, given):
+    """Real docstrings, the transformer: with --precision=measure the driver's probe times
+    both policies and diagnose reads its figures; with float32 given, diagnose times the
+    step in the mixed policy this hardware offers itself. Either way a policy is advised
+    only where it measured faster, and the gain cites the measured ratio."""
+    from tfspeed.diagnosis import precision
+    from tfspeed.runtime import detect_hardware, resolve
+    from tfspeed.tuning import autotune
+
+    config = Config(
+        data=DataConfig(data_dir=short_texts, batch_size=8, eval_split="", batching="bucket"),
+        model=ModelConfig(**TINY), runtime=RuntimeConfig(precision=given),
+        train=TrainConfig(steps_per_execution=1), model_dir=str(tmp_path)).validate()
+    result = diagnose.run(config, diagnose.Options(steps=4, warmup=1, profile_steps=2,
+                                                   seconds=2.0))
+    measured = result["precision"]
+    source = precision.PROBE_SOURCE if given == "measure" else precision.OWN_SOURCE
+    hardware = precision.alternative(resolve(RuntimeConfig(precision="float32"),
+                                             detect_hardware()))
+    if given == "measure" or hardware:  # float32 given on a host without bf16: nothing to time
+        assert measured["source"] == source and len(measured["ms_per_step"]) == 2, measured
+    ms = (measured or {}).get("ms_per_step", {})
+    now = result["settings"]["precision"]
+    advised = [s for s in result["next_steps"] if "--precision=" in s["advice"]]
+    for step in advised:
+        policy = step["advice"].split("--precision=")[1].split(":")[0]
+        assert ms[policy] <= (1 - autotune.BF16_GAIN) * ms[now], (ms, step)
+        assert step["expected_gain"] == f"{ms[now] / ms[policy]:.2f}x measured"
+    faster = [p for p, t in ms.items() if p != now and t <= (1 - autotune.BF16_GAIN) * ms[now]]
+    assert len(advised) == len(faster), (ms, advised)

@@ -350,3 +350,85 @@ def test_a_classifiers_buckets_are_tuned_at_its_batch_size_not_at_a_token_budget
     assert "tokens_per_batch" not in written["changed"]
     lines = (tmp_path / "tuned.flags").read_text().splitlines()
     assert not [x for x in lines if x.startswith("--tokens_per_batch")]
+
+
+def test_a_short_budget_cuts_each_run_to_fit_down_to_a_few_steps(tmp_path):
+    """The text job's transformer (~0.8 s a step on 2 busy cores) at the default budget:
+    a run planned at 20 steps did not fit what measuring left, and every candidate was
+    skipped. A run is now cut to what is left, down to ``FEWEST_TIMED_STEPS`` timed."""
+    config, _ = _text_config(tmp_path, BUDGET)
+    m = _costed(held_width=56, **SHORT)
+    full = verify.plan_run(config, None, m, rate=10.0, cold_rate=10.0)
+    cut = verify.plan_run(config, None, m, rate=10.0, cold_rate=10.0,
+                          max_seconds=full.seconds / 2)
+    assert cut.micro_steps < full.micro_steps and cut.seconds <= full.seconds / 2
+    fewest = verify.plan_run(config, None, m, rate=10.0, cold_rate=10.0, max_seconds=0.0)
+    assert fewest.micro_steps - 2 * fewest.log_every == verify.FEWEST_TIMED_STEPS
+    for spe in (3, 8, 32):  # whole calls of the run's steps per call, each cut smaller
+        calls = verify.plan_run(config, None, m, rate=10.0, cold_rate=10.0, spe=spe,
+                                max_seconds=0.0)
+        assert calls.micro_steps - 2 * calls.log_every == max(spe, 6 if spe == 3 else 4)
+    # What the budget affords: what is left less the reserve and what must follow, over
+    # how late runs have been.
+    budget = verify.Budget(60.0, reserve=2.0)
+    budget.observe(expected=10.0, took=20.0)
+    assert budget.affords(then=8.0) == pytest.approx((60.0 - 2.0 - 8.0) / 2, abs=0.1)
+
+
+def test_the_run_of_your_flags_takes_the_precision_the_tune_measured(tmp_path):
+    """--precision=auto: the tune timed the step in float32 and in bfloat16 already, so the
+    run of your flags takes what the driver's probe would choose from those figures (its
+    rule and margin) instead of probing again (two more models built and traced: 27 s of
+    the text job's 90 s budget), and cannot measure other figures than the tune did."""
+    from tfspeed.tuning import autotune
+
+    config, _ = _text_config(tmp_path, BUDGET)
+    assert config.runtime.precision == "auto"
+    base = _costed(held_width=56, **SHORT)
+    for f32, bf16 in ((0.7149, 0.8717), (0.7149, 0.5)):
+        m = ms.Measurements(**{**base.__dict__, "step": {
+            ms.StepKey("mixed_bfloat16", "off"): ms.StepTiming(1e-3, bf16, bf16, 1),
+            ms.StepKey("float32", "off"): ms.StepTiming(1e-3, f32, f32, 1)}})
+        expected = autotune.choose_precision(
+            "mixed_bfloat16", {"float32": f32, "mixed_bfloat16": bf16})[0]
+        assert verify.measured_precision(m) == {"precision": expected}
+        verifier = verify.Verifier(config, m, predict.rank(m), verify.Budget(90.0),
+                                   str(tmp_path))
+        assert verifier.plan({"candidate": None})[1]["precision"] == expected
+    # One policy timed (the other skipped): nothing to choose from, the run probes.
+    assert verify.measured_precision(base) == {}
+
+
+@pytest.fixture(scope="module")
+def default_budget_tune(short_texts, tmp_path_factory):
+    """``python -m tfspeed.tune`` of pipelines/text.flags on short real texts (docstrings)
+    at its default budget, as the issue ran it: (the process, tune.json)."""
+    root = tmp_path_factory.mktemp("tune_default")
+    run = subprocess.run(
+        [sys.executable, "-m", "tfspeed.tune",
+         f"--flagfile={REPO / 'pipelines' / 'text.flags'}", f"--data_dir={short_texts}",
+         f"--model_dir={root / 'run'}"],
+        cwd=REPO, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONPATH": str(REPO)},
+        capture_output=True, text=True, timeout=400)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run, json.loads((root / "run" / "tune" / "tune.json").read_text())
+
+
+def test_a_default_budget_tune_of_the_text_job_keeps_its_budget_and_verifies(
+        default_budget_tune):
+    """It once took 130 s of its 90 s (the run of your flags probed the precision again,
+    its measuring child took ~10 s to exit) and skipped every candidate; and its log held a
+    traceback. Now it ends within its budget (and the slack of one run's estimate), with at
+    least one real run measured, and names each run it skipped and why."""
+    run, result = default_budget_tune
+    assert "Traceback" not in run.stderr, run.stderr[-3000:]
+    assert result["budget_s"] == 90.0
+    assert result["seconds"] <= 1.2 * result["budget_s"], result["seconds"]
+    measured = [c for c in result["candidates"] if "measured" in c]
+    assert measured or result["user"], result["skipped"]
+    for line in result["skipped"]:
+        assert "s left)" in line, line  # what, its estimate, and the time that was left
+    said = [line for line in run.stderr.splitlines() if "skipped for lack of time" in line]
+    assert len(said) == len(result["skipped"]), said
+    # The run of your flags took the precision the tune measured: no second probe.
+    assert "precision probe" not in run.stderr

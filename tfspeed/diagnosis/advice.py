@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 
 from tfspeed.data import images as images_lib
+from tfspeed.diagnosis import precision
 from tfspeed.diagnosis.profiling import INPUT_BOUND_HIGH_PCT, INPUT_BOUND_MODERATE_PCT
 
 INPUT_BOUND_RATIO = 0.9  # a pipeline slower than this share of (b) cannot feed the model
@@ -232,9 +233,9 @@ def _compute_steps(config, plan, figures: dict, wait: float, memory_share: float
     step_ms = figures["ms_per_batch"]["together"]
     steps = []
     best = resolve(RuntimeConfig(precision="auto", xla="auto"), detect_hardware())
-    if plan.precision == "float32" and best.precision != "float32":
-        steps.append(_step(f"input is {wait:.0f}% of step time: --precision={best.precision} "
-                           f"({best.reasons['precision']})", 2.0, "~1.5-3x on matrix units"))
+    # Measured figures only (the driver's probe, or diagnose's own timing): a rule of thumb
+    # once advised bfloat16 for a model the probe had just measured slower in it.
+    steps += precision.advice(plan, figures.get("precision"), _step)
     if step_ms < 10 and config.train.steps_per_execution == 1:
         steps.append(_step(f"a step takes {step_ms:.1f} ms, so Python overhead per step matters: "
                            "--steps_per_execution=auto", 1.8, "up to 4x for tiny steps"))

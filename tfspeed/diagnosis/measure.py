@@ -8,8 +8,9 @@ Same flags as ``tfspeed.train``. After a warm-up, it measures for a bounded numb
       sequences per batch vary from batch to batch,
   (c) both together (examples/s, and the share of step time spent waiting for input),
   (d) a profile of (c), read with xprof,
-plus the time each pipeline stage adds and peak memory. Each is also given in ms per batch
-(per step): sequences/s of token batches count a different number of sequences per batch.
+plus the time each pipeline stage adds, peak memory, and the step's time in each precision
+policy that could pay (``precision``: the driver's probe where it ran). Each is also given
+in ms per batch (per step): sequences/s of token batches count a different number of sequences per batch.
 Each measurement stops after its steps or ``Options.seconds``, whichever comes first (a
 padded batch of long texts can take seconds per step), and logs what it starts and finds.
 From the figures ``advice`` gives a verdict — input-bound, compute-bound or memory-bound —
@@ -26,6 +27,7 @@ import time
 import numpy as np
 from absl import logging
 
+from tfspeed.diagnosis import precision
 from tfspeed.errors import UsageError
 from tfspeed.runtime import hostmem
 
@@ -89,6 +91,7 @@ def measure(job, options: Options, out_dir: str) -> dict:
         stages = {"read+batch": 1000 / input_timing.rate}
     else:
         stages = _stage_times(job, options)
+    precision_ms = precision.measure(job, held[0])  # the probe's, or timed here
     placement = job.input_report.get("placement", {}).get("where", "host")
     text_figures = {} if not batching else _token_figures(batching, together.tokens)
     return {
@@ -101,6 +104,7 @@ def measure(job, options: Options, out_dir: str) -> dict:
         "ms_per_batch": {"input_alone": 1000 / input_timing.rate,
                          "compute_alone": 1000 / alone.rate, "together": 1000 / together.rate},
         "input_wait_pct": together.wait_pct,
+        "precision": precision_ms,
         "steps_timed": {"input_alone": input_timing.steps, "compute_alone": alone.steps,
                         "together": together.steps, "profile": profile_steps},
         "host_cpus": os.cpu_count() or 1,

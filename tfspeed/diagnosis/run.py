@@ -74,6 +74,10 @@ def report_lines(result: dict) -> list[str]:
                    if width else f"rows only as wide as their batch's (K = {k:.0f})")
                 + "; predicted compute per real token: " + ", ".join(
                     f"{m} {c:.2f}" for m, c in batching["costs"].items()))
+    if result.get("precision"):
+        from tfspeed.diagnosis import precision
+
+        lines.append(f"  precision            : {precision.describe(result['precision'])}")
     if result["profile"].get("conclusion"):
         lines.append(f"  xprof: {result['profile']['conclusion']}")
     stages = result["stages_ms_per_batch"]

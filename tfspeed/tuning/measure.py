@@ -299,10 +299,16 @@ def _measure_steps(config, job, budget: Budget, size_mb: float, inputs: _InputFi
     gpu = bool(tf.config.list_logical_devices("GPU"))
     xlas = ["on"] if gpu else ["off", "on"]  # on a GPU XLA is the measured default
     held = _repeated(job, held)
+    # Where the driver would probe the precision (``auto`` choosing a mixed policy on a CPU,
+    # or ``measure``), both policies are timed here even past the deadline: the runs that
+    # verify then take the policy these timings choose (``verify.measured_precision``)
+    # instead of probing again, which builds and traces two models, one more than here.
+    probed = config.runtime.precision in ("auto", "measure") and hw_precision != "float32"
     probes, cost = {}, 0.0
     for xla, precision in itertools.product(xlas, precisions):
-        if cost and not budget.allows(cost * (XLA_COST if xla == "on" else 1),
-                                      f"the step at {precision}, xla={xla}"):
+        needed = probed and xla == xlas[0]
+        if cost and not needed and not budget.allows(cost * (XLA_COST if xla == "on" else 1),
+                                                     f"the step at {precision}, xla={xla}"):
             continue
         say("building and tracing the step at %s, xla=%s", precision, xla)
         start = time.perf_counter()

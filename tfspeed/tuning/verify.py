@@ -23,6 +23,10 @@ VERIFY_SECONDS = 3.0  # of timed steady-state steps per verification run
 # VERIFY_SECONDS, and bucketed rows vary from step to step anyway.
 MIN_TIMED_STEPS = 24
 MIN_TIMED_TOKEN_STEPS = 16
+# Where the budget is short a run is cut down to fit, to this many timed micro-steps at the
+# least (the text job's transformer, ~0.7-1.4 s a step on 2 busy cores, once spent a 90 s
+# budget on measuring and one run of 20 steps, and skipped every candidate).
+FEWEST_TIMED_STEPS = 4
 MIN_BUDGET_S = 20.0  # TF's start in two processes, the first measurements, one short run
 SETUP_S = 4.0  # a run's own setup: the model, the pipeline, tracing (or ``m.setup_s``)
 NOISE = 0.03  # runs closer than this to the fastest count as equally fast
@@ -61,6 +65,11 @@ class Budget:
     def observe(self, expected: float, took: float) -> None:
         self.slowdown = max(self.slowdown, took / max(expected, 1e-3))
 
+    def affords(self, then: float = 0.0) -> float:
+        """Seconds of an estimate (before ``slowdown``) that fit what is left, less
+        ``then`` more to come after it."""
+        return max(self.left() - self.reserve - then, 0.0) / self.slowdown
+
     def allows(self, seconds: float, what: str) -> bool:
         seconds *= self.slowdown
         if self.left() - self.reserve >= seconds:
@@ -94,9 +103,11 @@ class RunPlan:
 
 
 def plan_run(config, c: Candidate | None, m: Measurements, rate: float,
-             cold_rate: float, spe: int | None = None) -> RunPlan:
+             cold_rate: float, spe: int | None = None,
+             max_seconds: float = float("inf")) -> RunPlan:
     """A run long enough for ~``VERIFY_SECONDS`` of steady state at ``rate`` examples/s,
-    after one epoch at ``cold_rate`` where a cache must fill first.
+    after one epoch at ``cold_rate`` where a cache must fill first; with fewer timed steps
+    (``FEWEST_TIMED_STEPS`` at the least) where that would take over ``max_seconds``.
 
     Token batches hold the sequences their batching puts in one (``examples_per_batch``),
     and never wait for a cache to fill: a token pipeline's input costs about 1% of the
@@ -111,14 +122,36 @@ def plan_run(config, c: Candidate | None, m: Measurements, rate: float,
     n = 1 if is_auto(spe) else max(spe, 1)  # auto: its own timing starts at 1
     least = MIN_TIMED_TOKEN_STEPS if m.text else MIN_TIMED_STEPS
     timed = max(int(VERIFY_SECONDS * rate / batch), 8 * n, least)
-    timed = -(-timed // n) * n
+    fewest = -(-FEWEST_TIMED_STEPS // n) * n  # whole calls
     fills = not m.text and ((c.input_placement == "host" and c.cache != "none") if c else (
         config.data.input_placement != "device" and config.data.cache != "none"))
-    log_every = max(n, timed // 8 // n * n)  # ~8 windows for the median
-    fill = m.steps_per_epoch if fills else 2 * log_every  # else two windows to settle
     setup = max(SETUP_S, m.setup_s)
-    return RunPlan(micro_steps=fill + timed, log_every=log_every,
-                   seconds=setup + fill * batch / cold_rate + timed * batch / rate)
+    timed = -(-timed // n) * n
+    while True:
+        log_every = max(n, timed // 8 // n * n)  # ~8 windows for the median
+        fill = m.steps_per_epoch if fills else 2 * log_every  # else two windows to settle
+        plan = RunPlan(micro_steps=fill + timed, log_every=log_every,
+                       seconds=setup + fill * batch / cold_rate + timed * batch / rate)
+        if plan.seconds <= max_seconds or timed <= fewest:
+            return plan
+        timed = max(fewest, timed * 3 // 4 // n * n)  # whole calls, fewer each time
+
+
+def measured_precision(m: Measurements) -> dict:
+    """``{"precision": policy}``: what the driver's ``--precision=auto`` probe would choose
+    (``autotune.choose_precision``, its rule and margin) from the tune's own timings of the
+    step in float32 and in the hardware's mixed policy; {} where one was not measured.
+
+    A run of the user's flags given this does not probe again: the probe builds and traces
+    the model twice, which took 27 s of a 90 s budget for the text job's transformer on 2
+    busy cores, and measured other figures than the tune had (one measurement, read by
+    both, cannot disagree with itself)."""
+    xla = "off" if any(k.xla == "off" for k in m.step) else "on"
+    timed = {k.precision: t.step_s for k, t in m.step.items() if k.xla == xla}
+    mixed = [p for p in timed if p != "float32"]
+    if "float32" not in timed or not mixed:
+        return {}
+    return {"precision": autotune.choose_precision(mixed[0], timed)[0]}
 
 
 def auto_spe(m: Measurements) -> int:
@@ -303,32 +336,39 @@ class Verifier:
         self.yours = user_rate(config, ranked, m)
         self.runs = 0
 
-    def plan(self, entry: dict) -> tuple[RunPlan, dict]:
-        """The run of ``entry`` and, for the user's flags, the knobs it is given where
-        their ``auto`` would decide otherwise in a short run than in the job: the job's
-        resolved token batching (``--batching=auto`` weighs compiles against the run's
-        length: a 3-step run bucketed what the job packed), and the steps per call of
-        ``auto_spe`` where the run is too short for the driver's probe."""
+    def plan(self, entry: dict, then: float = 0.0) -> tuple[RunPlan, dict]:
+        """The run of ``entry``, cut to what the budget has left (less ``then``) and, for
+        the user's flags, the knobs it is given where their ``auto`` would decide
+        otherwise in a short run than in the job, or would measure again what the tune
+        measured: the job's resolved token batching (``--batching=auto`` weighs compiles
+        against the run's length: a 3-step run bucketed what the job packed), the
+        precision the tune's own step timings choose (``measured_precision``), and the
+        steps per call of ``auto_spe`` where the run is too short for the driver's
+        probe."""
         c = entry["candidate"]
         rate = entry.get("examples_per_sec") or self.yours
         cold = (predict(dataclasses.replace(c, input_placement="host", cache="none"), self.m)
                 ["examples_per_sec"] if c else self.yours)
-        plan, pinned = plan_run(self.config, c, self.m, rate, min(cold, rate)), {}
+        fits = self.budget.affords(then)
+        plan, pinned = plan_run(self.config, c, self.m, rate, min(cold, rate),
+                                max_seconds=fits), {}
         job = (self.m.text or {}).get("job")
         if c is None and job and is_auto(self.config.data.batching):
             pinned["batching"] = job["batching"]
+        if c is None and self.config.runtime.precision in ("auto", "measure"):
+            pinned.update(measured_precision(self.m))
         if c is None and is_auto(self.config.train.steps_per_execution) and not (
                 autotune.probe_fits(plan.micro_steps)):
             pinned["steps_per_execution"] = auto_spe(self.m)
             plan = plan_run(self.config, c, self.m, rate, min(cold, rate),
-                            spe=pinned["steps_per_execution"])
+                            spe=pinned["steps_per_execution"], max_seconds=fits)
         return plan, pinned
 
     def check(self, entry: dict, name: str, then: float = 0.0) -> bool:
         """One run of ``entry``, if the budget allows it and ``then`` seconds more; False
         where it did not."""
         c = entry["candidate"]
-        plan, pinned = self.plan(entry)
+        plan, pinned = self.plan(entry, then)
         if not self.budget.allows(plan.seconds + then, f"verifying {name}"):
             return False
         self.runs += 1
