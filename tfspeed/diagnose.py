@@ -1,6 +1,10 @@
 """``python -m tfspeed.diagnose --flagfile=...``: where does the time go, and what to try next.
 
-Takes the same flags as ``python -m tfspeed.train``. It times the input alone, the model's step
+``python -m tfspeed.diagnose train.py [its arguments]`` runs your own script up to its first
+``model.fit`` and gives the same kind of verdict on its dataset and model (see
+``tfspeed.attach.verdict``).
+
+With flags, it takes the same flags as ``python -m tfspeed.train``. It times the input alone, the model's step
 alone, both together and a profiler capture, each for --diagnose_steps steps or
 --diagnose_seconds, whichever ends first; gives a verdict (input-, compute- or memory-bound)
 with next steps ranked by expected gain; writes MODEL_DIR/diagnose/diagnose.json and
@@ -44,6 +48,12 @@ def _usage() -> str:
 
 
 def run_main() -> None:
+    import sys
+
+    if len(sys.argv) > 1 and sys.argv[1].endswith(".py"):  # a user's own script, as it is
+        from tfspeed.attach.runner import diagnose_script
+
+        main_entry(lambda: diagnose_script(sys.argv[1], sys.argv[2:]) and None)
     exit_on_help(_usage)
     main_entry(lambda: app.run(main, flags_parser=tfspeed_flags.parse))
 

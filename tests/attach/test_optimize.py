@@ -1,0 +1,173 @@
+"""tfspeed.optimize on pipelines written the way the Keras and TF tutorials write them."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tests.conftest import REPO, write_photos
+from tfspeed.attach import graph
+from tfspeed.attach.optimize import optimize
+from tfspeed.errors import UsageError
+
+
+@pytest.fixture(scope="module")
+def photo_folder(tmp_path_factory):
+    return str(write_photos(tmp_path_factory.mktemp("photos"), classes=3, per_class=10))
+
+
+def tutorial(folder, seed=1):
+    """The Keras tutorial's pipeline: paths shuffled (buffer batch x 8), decoded, resized,
+    batched, prefetched."""
+    return keras.utils.image_dataset_from_directory(folder, image_size=(32, 32), batch_size=4,
+                                                    seed=seed, verbose=False)
+
+
+def elements(ds):
+    return [tuple(np.asarray(t) for t in tf.nest.flatten(e)) for e in ds]
+
+
+def same(a, b):
+    return len(a) == len(b) and all(
+        all(np.array_equal(x, y) for x, y in zip(p, q)) for p, q in zip(a, b))
+
+
+def multiset(batches):
+    """Every example of an epoch of (images, labels) batches, as sorted bytes."""
+    out = []
+    for images, labels in batches:
+        images, labels = np.asarray(images), np.asarray(labels)
+        out += [img.tobytes() + bytes([int(lab)]) for img, lab in zip(images, labels)]
+    return sorted(out)
+
+
+def test_the_tutorial_pipeline_is_stored_then_replayed_with_the_same_elements_in_order(
+        photo_folder, tmp_path):
+    first = optimize(tutorial(photo_folder), cache_dir=str(tmp_path), quiet=True)
+    report = first.tfspeed_report
+    assert report.state == "writing"
+    assert any("moved before the shuffle" in c for c in report.changed)
+    assert first.class_names == ["class_0", "class_1", "class_2"]
+    assert first.element_spec == tutorial(photo_folder).element_spec
+    # A seeded shuffle gives the same order as written, epoch after epoch.
+    original = tutorial(photo_folder)
+    for _ in range(2):
+        assert same(elements(first), elements(original))
+    # A later run (a new object from the same code) reads the store it left.
+    later = optimize(tutorial(photo_folder), cache_dir=str(tmp_path), quiet=True,
+                     probe_seconds=0.2)
+    assert later.tfspeed_report.state == "complete"
+    assert later.tfspeed_report.before_per_s > 0 and later.tfspeed_report.after_per_s > 0
+    assert same(elements(later), elements(tutorial(photo_folder)))
+
+
+def test_an_unseeded_shuffle_keeps_the_multiset_of_an_epoch(photo_folder, tmp_path):
+    def unseeded():
+        files = tf.data.Dataset.list_files(os.path.join(photo_folder, "*", "*.jpg"))
+
+        def load(path):
+            image = tf.io.decode_jpeg(tf.io.read_file(path), channels=3)
+            label = tf.strings.to_number(tf.strings.split(
+                tf.strings.split(path, os.sep)[-2], "_")[-1], tf.int32)
+            return tf.image.resize(image, (24, 24)), label
+
+        return files.map(load, num_parallel_calls=tf.data.AUTOTUNE).batch(5).prefetch(1)
+
+    fast = optimize(unseeded(), cache_dir=str(tmp_path), quiet=True)
+    assert fast.tfspeed_report.state == "writing"
+    assert graph.plan(unseeded()).moved == 1  # list_files shuffles the paths
+    expected = multiset(unseeded())
+    assert multiset(fast) == expected and multiset(fast) == expected
+    assert len(expected) == 30
+
+
+def test_augmentation_stays_random_and_is_never_stored(photo_folder, tmp_path):
+    flip = keras.layers.RandomFlip("horizontal")
+
+    def augmented():
+        files = tf.data.Dataset.list_files(os.path.join(photo_folder, "*", "*.jpg"),
+                                           shuffle=False)
+        images = files.map(lambda p: tf.image.resize(tf.io.decode_jpeg(tf.io.read_file(p),
+                                                                       channels=3), (16, 16)))
+        return images.map(lambda x: flip(x, training=True)).batch(30)
+
+    plan = graph.plan(augmented())
+    assert "is random" in plan.reason and plan.suffix == ["Map", "Batch"]
+    fast = optimize(augmented(), cache_dir=str(tmp_path), quiet=True)
+    assert fast.tfspeed_report.state == "writing"
+    epochs = [elements(fast)[0][0] for _ in range(4)]
+    assert any(not np.array_equal(epochs[0], e) for e in epochs[1:])
+    # The stored part is the decode alone: flipping it back gives one of two images each.
+    plain = elements(augmented().map(lambda x: x))[0][0]  # any epoch of the original
+    for e in epochs:
+        assert all(np.array_equal(a, b) or np.array_equal(a, b[:, ::-1])
+                   for a, b in zip(e, plain))
+
+
+@pytest.mark.parametrize("make, words", [
+    (lambda: tf.data.Dataset.range(8).map(
+        lambda i: tf.py_function(lambda v: v * 2, [i], tf.int64)).batch(2), "runs Python"),
+    (lambda: tf.data.Dataset.from_generator(
+        lambda: iter(range(8)), output_signature=tf.TensorSpec((), tf.int64)).batch(2),
+     "nothing is worth storing"),
+    (lambda: tf.data.Dataset.range(8).shuffle(8).batch(2), "nothing is worth storing"),
+])
+def test_a_pipeline_that_cannot_be_stored_is_left_as_written_with_one_line(
+        make, words, tmp_path, capsys):
+    given = make()
+    out = optimize(given, cache_dir=str(tmp_path))
+    assert out is given
+    line = capsys.readouterr().err.strip()
+    assert line.count("\n") == 0 and line.startswith("tfspeed.optimize: left as written")
+    assert words in line
+
+
+def test_a_changed_source_file_gets_a_new_store(tmp_path):
+    text = tmp_path / "lines.txt"
+    text.write_text("alpha beta\ngamma\n")
+
+    def lines():
+        return tf.data.TextLineDataset(str(text)).map(tf.strings.length).batch(2)
+
+    one = optimize(lines(), cache_dir=str(tmp_path / "c"), quiet=True)
+    assert elements(one)[0][0].tolist() == [10, 5]
+    text.write_text("alpha beta delta\ngamma\n")
+    two = optimize(lines(), cache_dir=str(tmp_path / "c"), quiet=True)
+    assert two.tfspeed_report.store != one.tfspeed_report.store
+    assert two.tfspeed_report.state == "writing"
+    assert elements(two)[0][0].tolist() == [16, 5]
+
+
+def test_a_killed_first_run_is_rebuilt_never_read_half_written(photo_folder, tmp_path):
+    cache = tmp_path / "cache"
+    script = textwrap.dedent(f"""
+        import os, sys, signal
+        sys.path.insert(0, {str(REPO)!r})
+        import keras
+        from tfspeed.attach.optimize import optimize
+        ds = keras.utils.image_dataset_from_directory({photo_folder!r}, image_size=(32, 32),
+                                                      batch_size=4, seed=1, verbose=False)
+        it = iter(optimize(ds, cache_dir={str(cache)!r}, quiet=True))
+        next(it); next(it)
+        os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
+    done = subprocess.run([sys.executable, "-c", script], env=env, timeout=120)
+    assert done.returncode == -signal.SIGKILL
+    again = optimize(tutorial(photo_folder), cache_dir=str(cache), quiet=True)
+    assert again.tfspeed_report.state == "writing"  # the partial store was removed
+    assert same(elements(again), elements(tutorial(photo_folder)))
+    third = optimize(tutorial(photo_folder), cache_dir=str(cache), quiet=True,
+                     probe_seconds=0.1)
+    assert third.tfspeed_report.state == "complete", os.listdir(third.tfspeed_report.store)
+
+
+def test_anything_but_a_dataset_is_one_line():
+    with pytest.raises(UsageError, match="takes a tf.data.Dataset, got ndarray"):
+        optimize(np.zeros((4, 2)))

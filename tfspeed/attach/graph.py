@@ -1,0 +1,206 @@
+"""Reading a user's ``tf.data`` pipeline and rebuilding it with its deterministic part stored.
+
+A pipeline is a chain of dataset objects, each holding its input (``_input_dataset``) and the
+arguments it was made with. ``plan`` walks the chain from the source and finds the longest
+deterministic part that can be materialised once:
+
+- every map whose function holds no random or stateful op is deterministic;
+- a shuffle of elements followed by such maps commutes with them (a shuffle permutes positions
+  whatever the values, and each map is one element in, one out), so the maps move before it
+  and the shuffle replays on the stored elements, with its own seeds: the same orders;
+- a batch right after the stored part is stored too (fewer, larger elements to replay).
+
+Nothing after a random op, a repeat, a filter behind a shuffle, or an op this module cannot
+rebuild is ever stored: the rest of the chain is rebuilt as it was.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+# Op types whose presence makes a function's output differ from call to call.
+RANDOM_MARKERS = ("Random", "Rng", "Shuffle", "Sampl")
+# Ops that run Python: the graph cannot be read (tensorflow#44763), nor its results trusted to
+# be the same next time.
+PYTHON_OPS = ("PyFunc", "EagerPyFunc", "PyFuncStateless")
+# Chain nodes that only change how elements flow, never which: dropped inside the stored part.
+PASSTHROUGH = ("_PrefetchDataset", "_OptionsDataset")
+MAPS = ("_MapDataset", "_ParallelMapDataset")
+BATCHES = ("_BatchDataset", "_ParallelBatchDataset")
+
+
+@dataclasses.dataclass
+class Plan:
+    """Where a pipeline is cut: ``stored`` builds the part to materialise (a dataset), ``replay``
+    rebuilds the rest on top of a dataset of the stored elements. ``reason`` says why nothing
+    is stored when ``stored`` is None; ``moved`` counts the maps moved before a shuffle."""
+
+    stored: object | None
+    replay: Callable | None
+    reason: str
+    maps_stored: int = 0
+    moved: int = 0
+    batched: bool = False
+    suffix: list = dataclasses.field(default_factory=list)
+
+
+def chain(dataset) -> list:
+    """The dataset objects from the source to ``dataset``; the source is the first one without
+    a single input (a file reader, tensor slices, a zip)."""
+    nodes = [dataset]
+    while hasattr(nodes[-1], "_input_dataset"):
+        nodes.append(nodes[-1]._input_dataset)
+    return nodes[::-1]
+
+
+def function_ops(node) -> set[str]:
+    """The op types of a map node's function, with the functions it calls."""
+    graph = node._map_func.function.graph
+    types = {op.type for op in graph.get_operations()}
+    for fn in graph._functions.values():  # nested tf.functions and conditionals' branches
+        types |= {n.op for n in fn.cached_definition.node_def}
+    return types
+
+
+def impurity(op_types: set[str]) -> str:
+    """Why a function's results may differ between calls ('' when they cannot)."""
+    python = sorted(t for t in op_types if t in PYTHON_OPS)
+    if python:
+        return "runs Python (tf.py_function or tf.numpy_function), which tfspeed cannot read"
+    random = sorted(t for t in op_types if any(m in t for m in RANDOM_MARKERS))
+    if random:
+        return f"is random ({', '.join(random[:3])})"
+    return ""
+
+
+def plan(dataset) -> Plan:
+    """Finds the part of ``dataset``'s chain to store and how to replay the rest."""
+    nodes = chain(dataset)
+    stored, maps, moved, pending, i = nodes[0], 0, 0, [], 1
+    while i < len(nodes):
+        node, kind = nodes[i], type(nodes[i]).__name__
+        if kind == "_ShuffleDataset":
+            pending.append(node)
+        elif kind in MAPS and not impurity(function_ops(node)):
+            # Before any shuffle the user's own object is the stored part; after one, the map
+            # is rebuilt on the stored part and the shuffles replay after it.
+            stored = rebuild(node, stored) if pending else node
+            maps, moved = maps + 1, moved + bool(pending)
+        elif kind in PASSTHROUGH:
+            stored = stored if pending else node
+        else:
+            break
+        i += 1
+    stop = _stop_reason(nodes[i]) if i < len(nodes) else ""
+    batched = not pending and i < len(nodes) and type(nodes[i]).__name__ in BATCHES
+    if batched:  # deterministic too, and fewer elements to replay
+        stored, i = rebuild(nodes[i], stored), i + 1
+    if maps == 0:
+        first = f"; {stop} comes first" if stop else ""
+        return Plan(None, None, f"no deterministic map after the source{first}: nothing is "
+                    "worth storing")
+    suffix = pending + nodes[i:]
+    unknown = [_name(n) for n in suffix if type(n).__name__ not in REBUILD]
+    if unknown:
+        return Plan(None, None, f"tfspeed cannot rebuild {unknown[0]}, which follows the "
+                    "deterministic part: left as written")
+    return Plan(stored, lambda base: _replay(base, suffix), stop, maps, moved, batched,
+                [_name(n) for n in suffix])
+
+
+def _name(node) -> str:
+    return type(node).__name__.strip("_").removesuffix("Dataset")
+
+
+def _stop_reason(node) -> str:
+    """What ends the deterministic part, in words."""
+    kind = type(node).__name__
+    if kind in MAPS:
+        return f"a map that {impurity(function_ops(node))}"
+    return f"{_name(node)}"
+
+
+def copy(dataset):
+    """A new pipeline with ``dataset``'s transformations on its source (the same seeds), or
+    ``dataset`` itself where one cannot be rebuilt."""
+    nodes = chain(dataset)
+    if any(type(n).__name__ not in REBUILD for n in nodes[1:]):
+        return dataset
+    return _replay(nodes[0], nodes[1:])
+
+
+def _replay(base, suffix: list):
+    for node in suffix:
+        base = rebuild(node, base)
+    return base
+
+
+def rebuild(node, base):
+    """``node``'s transformation applied anew to ``base``."""
+    return REBUILD[type(node).__name__](node, base)
+
+
+def _map(node, base):
+    import tensorflow as tf
+
+    fn, structure = node._map_func.function, node._map_func.output_structure
+
+    def call(*args):
+        out = fn(*tf.nest.flatten(args))
+        return tf.nest.pack_sequence_as(structure, tf.nest.flatten(out))
+
+    parallel = getattr(node, "_num_parallel_calls", None)
+    calls = None if parallel is None else int(parallel)
+    deterministic = {"true": True, "false": False}.get(getattr(node, "_deterministic", ""))
+    return base.map(call, num_parallel_calls=calls, deterministic=deterministic)
+
+
+def _shuffle(node, base):
+    """The same shuffle, with the same seeds: the same permutations of positions."""
+    import tensorflow as tf
+    from tensorflow.python.ops import gen_dataset_ops
+
+    variant = gen_dataset_ops.shuffle_dataset_v3(
+        base._variant_tensor, buffer_size=node._buffer_size, seed=node._seed,
+        seed2=node._seed2, seed_generator=gen_dataset_ops.dummy_seed_generator(),
+        reshuffle_each_iteration=node._reshuffle_each_iteration, **base._flat_structure)
+    return tf.data.experimental.from_variant(variant, base.element_spec)
+
+
+def _batch(node, base):
+    return base.batch(int(node._batch_size), drop_remainder=bool(node._drop_remainder))
+
+
+def _prefetch(node, base):
+    return base.prefetch(int(node._buffer_size))
+
+
+def _repeat(node, base):
+    return base.repeat(int(node._count))
+
+
+def _take(node, base):
+    return base.take(int(node._count))
+
+
+def _skip(node, base):
+    return base.skip(int(node._count))
+
+
+def _unbatch(node, base):
+    return base.unbatch()
+
+
+def _options(node, base):
+    return base.with_options(node._options_attr)
+
+
+REBUILD: dict[str, Callable] = {
+    "_MapDataset": _map, "_ParallelMapDataset": _map, "_ShuffleDataset": _shuffle,
+    "_BatchDataset": _batch, "_ParallelBatchDataset": _batch, "_PrefetchDataset": _prefetch,
+    "_RepeatDataset": _repeat, "_TakeDataset": _take, "_SkipDataset": _skip,
+    "_UnbatchDataset": _unbatch, "_OptionsDataset": _options,
+    # Made by the op after it (unbatch normalises its input to dense): rebuilt by that op.
+    "_RestructuredDataset": lambda node, base: base,
+}

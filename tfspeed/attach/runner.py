@@ -1,0 +1,112 @@
+"""The two ways into a user's script: ``diagnose_script`` (a verdict on its first ``fit``)
+and ``run_script`` (the script as it is, its datasets through ``tfspeed.optimize``)."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+
+from tfspeed.attach import script
+
+
+def diagnose_script(path: str, argv: list[str], out_dir: str = "tfspeed_diagnose",
+                    seconds: float | None = None) -> dict:
+    """Runs the script up to its first ``fit``, times that fit's data and model, prints the
+    verdict and writes ``out_dir/diagnose.json`` and ``diagnose.png``; the script stops there.
+
+    Returns:
+      The verdict (``tfspeed.attach.verdict.diagnose``'s result).
+    """
+    from tfspeed.attach import verdict
+
+    def handler(model, fit, args):
+        data = script.as_dataset(model, args)
+        options = {"seconds": seconds} if seconds else {}
+        raise script.Stop(verdict.diagnose(data, model, out_dir=out_dir, **options))
+
+    stop = script.run(path, argv, handler)
+    if stop is None:
+        from tfspeed.errors import UsageError
+
+        raise UsageError(f"{path} ended without calling model.fit: tfspeed diagnose times the "
+                         "first fit a script makes")
+    for line in verdict.lines(stop.result):
+        print(line)
+    print(f"details: {os.path.join(out_dir, 'diagnose.json')}, chart: {stop.result['chart']}")
+    return stop.result
+
+
+def run_script(path: str, argv: list[str]) -> list[dict]:
+    """Runs the script to its end, each ``fit``'s datasets given to ``tfspeed.optimize``;
+    prints, per fit, its first epoch against its later ones.
+
+    Returns:
+      Per ``fit`` call: what was optimised and the epoch times.
+    """
+    fits: list[dict] = []
+
+    def handler(model, fit, args):
+        record = {"changed": [], "epoch_seconds": []}
+        for name in ("x", "validation_data"):
+            args[name] = _optimized(args.get(name), name, record)
+        args["callbacks"] = [*(args.get("callbacks") or []), _EpochClock(record)]
+        history = fit(model, **args)
+        fits.append(record)
+        print(_summary(len(fits), record))
+        return history
+
+    script.run(path, argv, handler)
+    return fits
+
+
+def _optimized(data, name: str, record: dict):
+    import tensorflow as tf
+
+    from tfspeed.attach.optimize import optimize
+
+    if not isinstance(data, tf.data.Dataset):
+        if data is not None and name == "x":
+            record["changed"].append(f"fit({name}=...) is not a tf.data.Dataset "
+                                     f"({type(data).__name__}): fed by Keras as written")
+        return data
+    out = optimize(data)
+    report = out.tfspeed_report
+    record["changed"].append(f"{name}: {report.verdict}")
+    record["state"] = report.state if name == "x" else record.get("state", "")
+    record.setdefault("stores", {})[name] = report.store
+    return out
+
+
+def _epoch_clock_class():
+    import keras
+
+    class EpochClock(keras.callbacks.Callback):
+        def __init__(self, record):
+            super().__init__()
+            self.record = record
+
+        def on_epoch_begin(self, epoch, logs=None):
+            self.start = time.perf_counter()
+
+        def on_epoch_end(self, epoch, logs=None):
+            self.record["epoch_seconds"].append(time.perf_counter() - self.start)
+
+    return EpochClock
+
+
+def _EpochClock(record):  # noqa: N802 -- reads as the callback it makes
+    return _epoch_clock_class()(record)
+
+
+def _summary(n: int, record: dict) -> str:
+    times = record["epoch_seconds"]
+    if len(times) < 2:
+        return (f"tfspeed.run: fit {n}: {len(times)} epoch ({sum(times):.1f} s); one epoch "
+                "shows no replay: " + "; ".join(record["changed"]))
+    later = statistics.median(times[1:])
+    first = {"writing": "as written while storing", "complete": "replaying an earlier run's "
+             "store"}.get(record.get("state", ""), "as written")
+    return (f"tfspeed.run: fit {n}: epoch 1 {times[0]:.1f} s ({first}; it also compiles the "
+            f"step), later epochs {later:.1f} s median ({times[0] / later:.1f}x); "
+            + "; ".join(record["changed"]))

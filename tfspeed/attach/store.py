@@ -1,0 +1,153 @@
+"""Where a pipeline's deterministic part is stored, under a key that changes with it.
+
+The key is a hash of the part's graph (with the functions' generated names made canonical, so
+the same code gives the same key in every process) and of the size and modification time of
+every file its graph names. A changed map, a changed argument or a touched source file gives a
+new key, and so a new store: a stale one is never read.
+
+A store is written by ``tf.data``'s file cache while the first run passes over the data, under a
+lock this process holds. It is complete when the cache's index exists and no writer's lockfile
+is left; a store left half-written by a killed run is removed and written again.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import os
+import re
+import shutil
+
+from tfspeed.errors import UsageError
+from tfspeed.util import locks
+
+ENV_DIR = "TFSPEED_CACHE_DIR"
+_HELD: dict[str, locks.Lock] = {}  # stores this process is writing: locked until it exits
+
+
+def root(given: str | None = None) -> str:
+    """The folder of stores: ``given``, ``$TFSPEED_CACHE_DIR`` or ``~/.cache/tfspeed``."""
+    return given or os.environ.get(ENV_DIR) or os.path.join(
+        os.path.expanduser("~"), ".cache", "tfspeed", "datasets")
+
+
+def fingerprint(dataset) -> tuple[str, int]:
+    """The key of ``dataset``'s graph and input files, and how many files it names.
+
+    Raises:
+      ValueError: the graph cannot be serialised (a Python function, a generator).
+    """
+    from tensorflow.core.framework import graph_pb2
+
+    graph = graph_pb2.GraphDef.FromString(dataset._as_serialized_graph(
+        external_state_policy=_warn_policy()).numpy())
+    for node in graph.node:  # its name holds a counter of this process: "ZipDataset:10"
+        if "metadata" in node.attr:
+            del node.attr["metadata"]
+    # Generated function names hold counters of this process (__inference_..._1234), and
+    # the library is ordered by them: each name becomes "fn", each function hashed on its own.
+    names = sorted((f.signature.name for f in graph.library.function), key=len, reverse=True)
+    functions = [str(f) for f in graph.library.function]
+    del graph.library.function[:]
+    parts = [_canonical(part, names) for part in (str(graph), *functions)]
+    digest = hashlib.sha256()
+    for part in [parts[0], *sorted(parts[1:])]:
+        digest.update(part.encode())
+    files = _files(dataset)
+    for path in files:
+        st = os.stat(path)
+        digest.update(f"{path}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
+    return digest.hexdigest()[:24], len(files)
+
+
+def _canonical(text: str, names: list[str]) -> str:
+    for name in names:
+        text = text.replace(name, "fn")
+    return text
+
+
+def graph_ops(dataset) -> set[str]:
+    """Every op type in ``dataset``'s graph and its functions."""
+    from tensorflow.core.framework import graph_pb2
+
+    graph = graph_pb2.GraphDef.FromString(dataset._as_serialized_graph(
+        external_state_policy=_warn_policy()).numpy())
+    ops = {n.op for n in graph.node}
+    for fn in graph.library.function:
+        ops |= {n.op for n in fn.node_def}
+    return ops
+
+
+def _warn_policy():
+    from tensorflow.python.data.ops.options import ExternalStatePolicy
+
+    return ExternalStatePolicy.WARN
+
+
+def _files(dataset) -> list[str]:
+    """The existing files named by string tensors the pipeline's objects hold (file lists,
+    paths): their sizes and times go into the key."""
+    import tensorflow as tf
+
+    found, seen, todo = set(), set(), [dataset]
+    while todo:
+        node = todo.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        for value in vars(node).values():
+            for item in value if isinstance(value, (tuple, list)) else [value]:
+                if isinstance(item, tf.data.Dataset):
+                    todo.append(item)
+                elif isinstance(item, tf.Tensor) and item.dtype == tf.string and hasattr(
+                        item, "numpy") and item.shape.num_elements() <= 1_000_000:
+                    found |= {os.path.abspath(p.decode("utf-8", "replace"))
+                              for p in item.numpy().reshape(-1)
+                              if len(p) < 4096 and os.path.isfile(p)}
+    return sorted(found)
+
+
+class Store:
+    """One stored part: ``prefix`` is the file cache's path, ``state`` one of ``complete``,
+    ``writing`` (this process writes it now) or ``busy`` (another live process does)."""
+
+    def __init__(self, folder: str, key: str):
+        self.folder = os.path.join(folder, key)
+        self.prefix = os.path.join(self.folder, "elements")
+        self.key = key
+        self.state = self._open()
+
+    def _open(self) -> str:
+        os.makedirs(self.folder, exist_ok=True)
+        if self.complete():
+            return "complete"
+        if self.folder in _HELD:  # this process writes it: a second pipeline reads as it goes
+            return "writing"
+        try:
+            lock = locks.acquire(os.path.join(self.folder, "writer.lock"), "a dataset store",
+                                 "wait for the other run, or give another cache_dir")
+        except UsageError:  # another live process writes it
+            return "busy"
+        _remove_partial(self.prefix)  # a killed writer's leftovers: never read
+        _HELD[self.folder] = lock
+        return "writing"
+
+    def complete(self) -> bool:
+        """The file cache finished a whole pass: its index is there and no writer's lock."""
+        return os.path.exists(self.prefix + ".index") and not glob.glob(
+            glob.escape(self.prefix) + "*.lockfile")
+
+    def size_bytes(self) -> int:
+        return sum(os.path.getsize(p) for p in glob.glob(glob.escape(self.prefix) + "*"))
+
+
+def _remove_partial(prefix: str) -> None:
+    for path in glob.glob(glob.escape(prefix) + "*"):
+        if os.path.isdir(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            os.remove(path)
+
+
+def sanitize(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", text)

@@ -1,0 +1,222 @@
+"""``tfspeed.diagnose(dataset, model)``: where a user's own training time goes.
+
+Three timings of the user's compiled Keras model and dataset, each bounded in seconds:
+(a) the input alone, (b) the step alone on one batch held in memory, (c) both together, as the
+script's ``fit`` runs them. Then a verdict: input-bound, compute-bound or shared CPU, with the
+fixes ranked by their predicted gain. The model's weights and optimizer state are put back
+after the timings: diagnosing does not train the user's model.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+
+from tfspeed.diagnosis.profiling import INPUT_BOUND_HIGH_PCT, INPUT_BOUND_MODERATE_PCT
+
+SECONDS = 4.0  # each timing's budget, after its warm-up
+WARMUP_STEPS = 3
+SAME_RATIO = 1.1  # together within this of the step alone: the input hides behind the step
+COMPUTE_BOUND = "compute-bound: the input is not your limit"
+
+
+def diagnose(dataset, model, *, seconds: float = SECONDS, out_dir: str | None = None,
+             xla: bool = True) -> dict:
+    """Times ``dataset`` and ``model``'s step alone and together, and says what limits them.
+
+    Args:
+      dataset: a ``tf.data.Dataset`` of batches, as given to ``fit``.
+      model: a compiled ``keras.Model``.
+      seconds: each timing's budget after its warm-up.
+      out_dir: where ``diagnose.json`` and ``diagnose.png`` go (None: nowhere).
+      xla: on a compute-bound step, also time it compiled by XLA (``jit_compile=True``).
+
+    Returns:
+      ``{"verdict", "why", "ms_per_batch", "batches_per_sec", "next_steps", "pipeline"}``.
+    """
+    from tfspeed.attach import graph
+    from tfspeed.errors import UsageError
+
+    if not getattr(model, "compiled", False) and getattr(model, "optimizer", None) is None:
+        raise UsageError("tfspeed.diagnose needs the model compiled (model.compile(...)) as "
+                         "the script compiles it before fit")
+    saved = _state(model)
+    try:
+        ms = {"input_alone": _time_input(dataset, seconds)}
+        held = _held_batch(dataset)
+        ms["step_alone"] = _time_fit(model, held, seconds)
+        ms["together"] = _time_fit(model, dataset, seconds)
+        if xla and not model.jit_compile:
+            ms["step_alone_xla"] = _time_fit(model, held, seconds, jit_compile=True)
+    finally:
+        _restore(model, saved)
+    plan = graph.plan(dataset)
+    result = decide(ms, plan, dataset.element_spec)
+    if out_dir:
+        _write(result, out_dir)
+    return result
+
+
+def decide(ms: dict, plan, element_spec) -> dict:
+    """The verdict and ranked fixes from the three timings (pure)."""
+    input_ms, step_ms, both = ms["input_alone"], ms["step_alone"], ms["together"]
+    wait = max(0.0, 100.0 * (both - step_ms) / both)
+    line = (f"input {input_ms:.1f} ms per batch, the step {step_ms:.1f} ms alone and "
+            f"{both:.1f} ms with its input")
+    steps = []
+    if both <= step_ms * SAME_RATIO and input_ms < step_ms:
+        verdict, why = COMPUTE_BOUND, f"{line}: the step alone sets the pace"
+        steps += _step_fixes(ms)
+    elif input_ms >= step_ms * 0.9 or wait >= INPUT_BOUND_HIGH_PCT:
+        severity = "highly" if wait >= INPUT_BOUND_HIGH_PCT else "moderately"
+        verdict = f"input-bound ({severity})"
+        why = f"{wait:.0f}% of each step waits for input; {line}"
+        steps += _input_fixes(ms, plan, element_spec)
+    else:
+        verdict = "input-bound (by sharing the CPU)"
+        why = (f"{line}: together is {both / max(input_ms, step_ms):.1f}x the slower alone; the "
+               "pipeline takes CPU time from the step")
+        steps += _input_fixes(ms, plan, element_spec) + _step_fixes(ms)
+    if wait < INPUT_BOUND_MODERATE_PCT and not steps:
+        steps.append({"advice": "nothing to gain on the input side", "expected_gain": "-"})
+    steps.sort(key=lambda s: -s.pop("score", 0.0))
+    return {"verdict": verdict, "why": why, "ms_per_batch": ms,
+            "batches_per_sec": {k: 1000.0 / v for k, v in ms.items() if v > 0},
+            "input_wait_pct": wait, "next_steps": steps,
+            "pipeline": {"storable": plan.stored is not None, "reason": plan.reason}}
+
+
+def _input_fixes(ms: dict, plan, element_spec) -> list[dict]:
+    both, step = ms["together"], ms["step_alone"]
+    fixes = []
+    gain = both / step
+    if plan.stored is not None:
+        fixes.append({"advice": "train = tfspeed.optimize(train): the pipeline's deterministic "
+                      f"part ({plan.maps_stored} map(s)) is computed once and replayed",
+                      "expected_gain": f"up to {gain:.1f}x (the step alone's pace)",
+                      "score": gain})
+    else:
+        fixes.append({"advice": f"the pipeline cannot be stored as it is ({plan.reason}); "
+                      "move the random ops after the deterministic maps, or convert the data "
+                      "once with scripts/to_tfrecord.py", "expected_gain": f"up to {gain:.1f}x",
+                      "score": gain * 0.5})
+    if _float_images(element_spec):
+        fixes.append({"advice": "images leave the pipeline as float32 (4x the bytes of "
+                      "uint8): send uint8 and put keras.layers.Rescaling first in the model",
+                      "expected_gain": "less host-to-device traffic (largest on GPUs)",
+                      "score": 1.05})
+    return fixes
+
+
+def _step_fixes(ms: dict) -> list[dict]:
+    fixes = []
+    step, xla = ms["step_alone"], ms.get("step_alone_xla")
+    if xla:
+        gain = step / xla
+        if gain > SAME_RATIO:
+            fixes.append({"advice": "model.compile(..., jit_compile=True): the step measured "
+                          f"{xla:.1f} ms under XLA against {step:.1f}",
+                          "expected_gain": f"{gain:.2f}x (measured)", "score": gain})
+        else:
+            fixes.append({"advice": f"XLA measured {xla:.1f} ms against {step:.1f}: no gain, "
+                          "keep jit_compile off", "expected_gain": f"{gain:.2f}x (measured)",
+                          "score": 0.0})
+    fixes.append({"advice": "a larger batch, or model.compile(steps_per_execution=N) where a "
+                  "step is short: fewer Python round trips per example",
+                  "expected_gain": "unmeasured", "score": 0.5})
+    return fixes
+
+
+def _float_images(element_spec) -> bool:
+    import tensorflow as tf
+
+    x = tf.nest.flatten(element_spec)[0]
+    return getattr(x, "shape", None) is not None and x.shape.rank == 4 and x.dtype.is_floating
+
+
+def _state(model):
+    return ([v.numpy() for v in model.variables],
+            [v.numpy() for v in getattr(model.optimizer, "variables", [])],
+            model.jit_compile)
+
+
+def _restore(model, saved) -> None:
+    weights, slots, jit = saved
+    for v, value in zip(model.variables, weights):
+        v.assign(value)
+    for v, value in zip(getattr(model.optimizer, "variables", []), slots):
+        v.assign(value)
+    if model.jit_compile != jit:
+        model.jit_compile = jit
+        model.make_train_function(force=True)
+
+
+def _time_input(dataset, seconds: float) -> float:
+    """Median ms per batch of the pipeline alone."""
+    it = iter(dataset)
+    times, last, start = [], None, time.perf_counter()
+    for i, _ in enumerate(it):
+        now = time.perf_counter()
+        if i >= 1 and last is not None:
+            times.append(now - last)
+        last = now
+        if now - start > seconds and len(times) >= 3:
+            break
+    if not times:
+        raise ValueError("the dataset yields fewer than two batches: nothing to time")
+    return 1000.0 * statistics.median(times)
+
+
+def _held_batch(dataset):
+    import tensorflow as tf
+
+    first = next(iter(dataset))
+    return tf.data.Dataset.from_tensors(first).repeat()
+
+
+def _time_fit(model, dataset, seconds: float, jit_compile: bool | None = None) -> float:
+    """Median ms per step of ``model.fit`` on ``dataset`` (batch-end to batch-end)."""
+    import keras
+
+    if jit_compile is not None:
+        model.jit_compile = jit_compile
+        model.make_train_function(force=True)
+    stamps = []
+
+    class Stamp(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            stamps.append(time.perf_counter())
+            if len(stamps) > WARMUP_STEPS + 3 and stamps[-1] - stamps[WARMUP_STEPS] > seconds:
+                self.model.stop_training = True
+
+    steps = 10_000
+    source = dataset.repeat() if int(dataset.cardinality()) >= 0 else dataset
+    model.fit(source, epochs=1, steps_per_epoch=steps, verbose=0, callbacks=[Stamp()],
+              shuffle=False)
+    gaps = [b - a for a, b in zip(stamps[WARMUP_STEPS:], stamps[WARMUP_STEPS + 1:])]
+    return 1000.0 * statistics.median(gaps)
+
+
+def _write(result: dict, out_dir: str) -> None:
+    from tfspeed.util import charts, files
+
+    os.makedirs(out_dir, exist_ok=True)
+    ms = result["ms_per_batch"]
+    result["chart"] = charts.bar_chart(os.path.join(out_dir, "diagnose.png"), [
+        charts.Panel(list(ms), {"": list(ms.values())}, "ms per batch",
+                     f"verdict: {result['verdict']}", horizontal=False),
+    ], size=(7, 4))
+    files.write_json_atomic(os.path.join(out_dir, "diagnose.json"), result)
+
+
+def lines(result: dict) -> list[str]:
+    """The verdict as a person reads it."""
+    ms = result["ms_per_batch"]
+    out = [f"tfspeed diagnose: {result['verdict'].upper()}: {result['why']}"]
+    for name, value in ms.items():
+        out.append(f"  {name.replace('_', ' '):16s}: {value:8.1f} ms per batch")
+    out.append("next steps, by expected gain:")
+    out += [f"  {i}. {s['advice']}  [{s['expected_gain']}]"
+            for i, s in enumerate(result["next_steps"], 1)]
+    return out
