@@ -35,7 +35,7 @@ def elements(ds):
 
 def same(a, b):
     return len(a) == len(b) and all(
-        all(np.array_equal(x, y) for x, y in zip(p, q)) for p, q in zip(a, b))
+        all(np.array_equal(x, y) for x, y in zip(p, q, strict=True)) for p, q in zip(a, b, strict=False))
 
 
 def multiset(batches):
@@ -43,7 +43,7 @@ def multiset(batches):
     out = []
     for images, labels in batches:
         images, labels = np.asarray(images), np.asarray(labels)
-        out += [img.tobytes() + bytes([int(lab)]) for img, lab in zip(images, labels)]
+        out += [img.tobytes() + bytes([int(lab)]) for img, lab in zip(images, labels, strict=True)]
     return sorted(out)
 
 
@@ -107,7 +107,7 @@ def test_augmentation_stays_random_and_is_never_stored(photo_folder, tmp_path):
     plain = elements(augmented().map(lambda x: x))[0][0]  # any epoch of the original
     for e in epochs:
         assert all(np.array_equal(a, b) or np.array_equal(a, b[:, ::-1])
-                   for a, b in zip(e, plain))
+                   for a, b in zip(e, plain, strict=True))
 
 
 @pytest.mark.parametrize("make, words", [

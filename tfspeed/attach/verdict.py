@@ -9,6 +9,7 @@ after the timings: diagnosing does not train the user's model.
 
 from __future__ import annotations
 
+import itertools
 import os
 import statistics
 import time
@@ -143,9 +144,9 @@ def _state(model):
 
 def _restore(model, saved) -> None:
     weights, slots, jit = saved
-    for v, value in zip(model.variables, weights):
+    for v, value in zip(model.variables, weights, strict=True):
         v.assign(value)
-    for v, value in zip(getattr(model.optimizer, "variables", []), slots):
+    for v, value in zip(getattr(model.optimizer, "variables", []), slots, strict=True):
         v.assign(value)
     if model.jit_compile != jit:
         model.jit_compile = jit
@@ -194,7 +195,7 @@ def _time_fit(model, dataset, seconds: float, jit_compile: bool | None = None) -
     source = dataset.repeat() if int(dataset.cardinality()) >= 0 else dataset
     model.fit(source, epochs=1, steps_per_epoch=steps, verbose=0, callbacks=[Stamp()],
               shuffle=False)
-    gaps = [b - a for a, b in zip(stamps[WARMUP_STEPS:], stamps[WARMUP_STEPS + 1:])]
+    gaps = [b - a for a, b in itertools.pairwise(stamps[WARMUP_STEPS:])]
     return 1000.0 * statistics.median(gaps)
 
 
