@@ -137,6 +137,9 @@ def _float_images(element_spec) -> bool:
 
 
 def _state(model):
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is not None and not optimizer.built:  # as fit would: its slots exist now
+        optimizer.build(model.trainable_variables)
     return ([v.numpy() for v in model.variables],
             [v.numpy() for v in getattr(model.optimizer, "variables", [])],
             model.jit_compile)
