@@ -28,6 +28,8 @@ PYTHON_OPS = ("PyFunc", "EagerPyFunc", "PyFuncStateless")
 PASSTHROUGH = ("_PrefetchDataset", "_OptionsDataset")
 MAPS = ("_MapDataset", "_ParallelMapDataset")
 BATCHES = ("_BatchDataset", "_ParallelBatchDataset")
+# Deterministic without a function: kept in the stored part where no shuffle precedes them.
+ORDERED = (*BATCHES, "_SkipDataset", "_TakeDataset", "_UnbatchDataset", "_RestructuredDataset")
 
 
 @dataclasses.dataclass
@@ -77,7 +79,7 @@ def impurity(op_types: set[str]) -> str:
 def plan(dataset) -> Plan:
     """Finds the part of ``dataset``'s chain to store and how to replay the rest."""
     nodes = chain(dataset)
-    stored, maps, moved, pending, i = nodes[0], 0, 0, [], 1
+    stored, maps, moved, pending, i, batched = nodes[0], 0, 0, [], 1, False
     while i < len(nodes):
         node, kind = nodes[i], type(nodes[i]).__name__
         if kind == "_ShuffleDataset":
@@ -87,15 +89,13 @@ def plan(dataset) -> Plan:
             # is rebuilt on the stored part and the shuffles replay after it.
             stored = rebuild(node, stored) if pending else node
             maps, moved = maps + 1, moved + bool(pending)
-        elif kind in PASSTHROUGH:
+        elif kind in PASSTHROUGH or (kind in ORDERED and not pending):
             stored = stored if pending else node
+            batched = batched or (kind in BATCHES and maps > 0)
         else:
             break
         i += 1
     stop = _stop_reason(nodes[i]) if i < len(nodes) else ""
-    batched = not pending and i < len(nodes) and type(nodes[i]).__name__ in BATCHES
-    if batched:  # deterministic too, and fewer elements to replay
-        stored, i = rebuild(nodes[i], stored), i + 1
     if maps == 0:
         first = f"; {stop} comes first" if stop else ""
         return Plan(None, None, f"no deterministic map after the source{first}: nothing is "
