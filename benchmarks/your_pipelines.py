@@ -26,10 +26,11 @@ import os
 import statistics
 import sys
 import time
+from pathlib import Path
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
-import keras  # noqa: E402, F401  -- imported before any timing, as a script has it
+import keras  # noqa: E402  -- imported before any timing, as a script has it
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 from absl import app, flags  # noqa: E402
@@ -55,8 +56,6 @@ def _photos(root):
 
 def keras_tutorial(root):
     """keras.utils.image_dataset_from_directory, as the image classification tutorial."""
-    import keras
-
     return keras.utils.image_dataset_from_directory(_photos(root), image_size=(SIZE, SIZE),
                                                     batch_size=32, seed=123, verbose=False)
 
@@ -115,8 +114,6 @@ def digits_arrays(root):
 
 def text_vectorize(root):
     """The text classification tutorial: texts batched, then a TextVectorization map."""
-    import keras
-
     texts, labels = _stdlib_texts()
     vectorize = keras.layers.TextVectorization(max_tokens=20000, output_sequence_length=256)
     vectorize.adapt(tf.data.Dataset.from_tensor_slices(texts).batch(256))
@@ -179,7 +176,7 @@ def prepare(root: str, images: int) -> None:
             with tf.io.TFRecordWriter(os.path.join(records, f"{shard}.tfrecord")) as w:
                 for path, label in items[shard::4]:
                     feature = {"image": tf.train.Feature(bytes_list=tf.train.BytesList(
-                        value=[open(path, "rb").read()])),
+                        value=[Path(path).read_bytes()])),
                         "label": tf.train.Feature(int64_list=tf.train.Int64List(value=[label]))}
                     w.write(tf.train.Example(features=tf.train.Features(
                         feature=feature)).SerializeToString())

@@ -32,11 +32,14 @@ from tfspeed.runtime import hostmem as _hostmem  # noqa: E402
 
 _hostmem.apply()
 
-# tfspeed.fit itself, its signature and docstring for help(): its module imports TensorFlow
-# only when called, so `import tfspeed` stays free of it.
+# The public functions themselves, their signatures and docstrings for help(): their modules
+# import TensorFlow only when called, so `import tfspeed` stays free of it. (tfspeed/diagnose.py,
+# the command, makes its module callable as `diagnose`: importing it keeps tfspeed.diagnose(...).)
+from tfspeed.attach.optimize import optimize  # noqa: E402
+from tfspeed.attach.verdict import diagnose  # noqa: E402
 from tfspeed.training.api import fit  # noqa: E402
 
-__all__ = ["__version__", "convert", "data", "fit", "split_cpu"]
+__all__ = ["__version__", "convert", "data", "diagnose", "fit", "optimize", "split_cpu"]
 
 # Imported on first use (PEP 562), as `import tfspeed; tfspeed.data.build(...)` expects;
 # neither starts TensorFlow.

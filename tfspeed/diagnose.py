@@ -16,6 +16,9 @@ how: ``tfspeed.diagnosis.measure``.
 
 from __future__ import annotations
 
+import sys
+import types
+
 from absl import app, flags
 
 from tfspeed.config import flags as tfspeed_flags
@@ -48,8 +51,6 @@ def _usage() -> str:
 
 
 def run_main() -> None:
-    import sys
-
     if len(sys.argv) > 1 and sys.argv[1].endswith(".py"):  # a user's own script, as it is
         from tfspeed.attach.runner import diagnose_script
 
@@ -60,3 +61,16 @@ def run_main() -> None:
 
 if __name__ == "__main__":
     run_main()
+
+
+class _CallableModule(types.ModuleType):
+    """``import tfspeed.diagnose`` binds this module where ``tfspeed.diagnose`` was the
+    function: the module answers calls as that function does."""
+
+    def __call__(self, dataset, model, **options):
+        from tfspeed.attach.verdict import diagnose
+
+        return diagnose(dataset, model, **options)
+
+
+sys.modules[__name__].__class__ = _CallableModule
