@@ -29,7 +29,7 @@ finally:
 COMMANDS = {
     "tfspeed.train": (["--batching", "--batch_size", "--model_dir", "--[no]shuffle"],
                       ["--budget_s", "--diagnose_steps"]),
-    "tfspeed.diagnose": (["--batching", "--diagnose_steps", "--diagnose_seconds"],
+    "tfspeed.diagnose": (["--batching", "--diagnose_steps", "--diagnose_seconds", "train.py"],
                          ["--budget_s"]),
     "tfspeed.tune": (["--batching", "--budget_s", "--tune_dir"], ["--diagnose_steps"]),
     "tfspeed.verify": (["--repair", "data_dir"], []),
@@ -37,6 +37,7 @@ COMMANDS = {
     "tfspeed.data_service": (["--dispatcher", "--work_dir", "--port"], ["--batching"]),
     "scripts/to_tfrecord.py": (["--source", "--output", "--tokenizer"], ["--batching"]),
     "tfspeed.bench": (["compare", "--threshold"], ["--batching"]),
+    "tfspeed.run": (["SCRIPT.py", "tfspeed.optimize"], ["--batching"]),
 }
 
 # Flags the docs name that belong to other tools: Apache Beam's inside --beam_options,

@@ -12,7 +12,9 @@ import sys
 
 from tfspeed.util.cli import main_entry
 
-USAGE = "usage: python -m tfspeed.run SCRIPT.py [the script's arguments]\n\n" + __doc__
+USAGE = ("usage: python -m tfspeed.run [--cache_dir=DIR] SCRIPT.py [the script's arguments]\n\n"
+         + __doc__ + "\n  --cache_dir: where the stores go (default: $TFSPEED_CACHE_DIR, else "
+         "~/.cache/tfspeed/datasets)\n")
 
 
 def main(argv: list[str]) -> None:
@@ -22,10 +24,16 @@ def main(argv: list[str]) -> None:
 
 
 def run_main() -> None:
+    import os
+
+    from tfspeed.attach.store import ENV_DIR
+
     args = sys.argv[1:]
     if not args or args[0] in ("-h", "--help", "-help"):
         print(USAGE)
         sys.exit(0 if args else 2)
+    if args[0].startswith("--cache_dir="):  # tfspeed's own option, before the script
+        os.environ[ENV_DIR] = os.path.abspath(args.pop(0).split("=", 1)[1])
     main_entry(lambda: main(args))
 
 
