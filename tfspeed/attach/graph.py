@@ -116,8 +116,14 @@ def _name(node) -> str:
 def _stop_reason(node) -> str:
     """What ends the deterministic part, in words."""
     kind = type(node).__name__
+    why = impurity(function_ops(node)) if hasattr(node, "_map_func") else ""
+    if "Python" in why:
+        what = "a generator (from_generator)" if kind == "_FlatMapDataset" else "a map"
+        return (f"{what} that runs Python under the GIL, one element at a time: tfspeed can "
+                "neither store nor parallelise it; write the loading with tf ops, or convert "
+                "the data once with scripts/to_tfrecord.py")
     if kind in MAPS:
-        return f"a map that {impurity(function_ops(node))}"
+        return f"a map that {why}"
     return f"{_name(node)}"
 
 
