@@ -51,10 +51,12 @@ def test_the_text_job_reaches_the_tensorflow_backends_accuracy(short_texts, tmp_
         assert proc.returncode == 0, errors[backend][-3000:]
     report, reference = jr.report(tmp_path / "jax"), jr.report(tmp_path / "tensorflow")
     # XLA compiled the training step once per program the report counts (one a bucket),
-    # not again when a call's running sums came from the device instead of the host.
+    # not again when a call's running sums came from the device instead of the host; and
+    # the probes' engines (precision on a host with native bfloat16) are counted apart.
     compiles = errors["jax"].count("Finished XLA compilation of jit(_run_steps)")
-    assert compiles == report["compiled_functions"] <= len(
-        report["input"]["batching"]["boundaries"]) + 1, compiles
+    probes = sum(report["probe_compiled_functions"].values())
+    assert compiles == report["compiled_functions"] + probes, (compiles, report)
+    assert report["compiled_functions"] <= len(report["input"]["batching"]["boundaries"]) + 1
     assert report["runtime"]["backend"] == "jax"
     assert reference["runtime"]["backend"] == "tensorflow"
     assert report["input"]["batching"]["mode"] == reference["input"]["batching"]["mode"]

@@ -20,6 +20,14 @@ from absl import logging
 
 from tfspeed.config import Config
 from tfspeed.errors import UsageError
+from tfspeed.training import decisions
+
+# tfspeed.fit probes through these too (as job.measure_precision, job.precision_to_measure).
+from tfspeed.training.precision_probe import (  # noqa: F401
+    measure_job_precision,
+    measure_precision,
+    precision_to_measure,
+)
 from tfspeed.util import locks
 
 
@@ -46,6 +54,8 @@ class Job:
     epoch_batches: int = 0  # token data: batches in one pass (a batch is a token budget)
     batching: object = None  # token data: the resolved ``tfspeed.data.text.Batching``
     token_weight: float | None = None  # tfspeed.fit's token batches: divides each loss sum
+    decisions: object = None  # measured choices, recorded for a rerun (training.decisions)
+    probe_compiles: dict = dataclasses.field(default_factory=dict)  # probe -> step programs
 
     @property
     def train_data_config(self):
@@ -137,10 +147,18 @@ def _build(config: Config, rt, lock: locks.Lock | None, converted_s: float = 0.0
         service.check_reachable(data.data_service)
     num_train = schema.split(data.train_split).num_records
     keras.utils.set_random_seed(data.seed)
+    if data.deterministic and rt.backend == "tensorflow":
+        # Same kernels, same thread splits in every process: a rerun resumes bit-exactly
+        # also where oneDNN's kernels are on (report.json's ``resume``).
+        import tensorflow as tf
+
+        tf.config.experimental.enable_op_determinism()
     strategy = rt.strategy
-    batching, epoch_batches = None, 0
+    batching, epoch_batches, compiles = None, 0, {}
+    decided = decisions.Decisions(config.model_dir, config, rt.backend, writes=rt.is_chief,
+                                  reuses=rt.num_workers == 1)
     if text_lib.is_text(schema):
-        batching = measure_batching(config, rt, schema, resolve_batching(config, rt, schema))
+        batching = _decided_batching(config, rt, schema, decided, compiles)
         _check_text_batch(batching, schema, data.train_split)
         rt = runtime.for_batching(rt, config.runtime, batching.mode)
         epoch_batches = max(1, text_lib.batches_per_epoch(batching, schema, data.train_split))
@@ -154,10 +172,14 @@ def _build(config: Config, rt, lock: locks.Lock | None, converted_s: float = 0.0
     # sequences it reads instead (job_input): its batches of similar lengths are not a sample.
     eval_steps = (config.train.eval_steps or None) if batching is None else None
     input_shape = pipeline.input_shape(schema, data)
-    if precision_to_measure(config, rt):
-        rt = _measure_precision(config, rt, schema, inputs, input_shape, steps_per_epoch,
-                                batching)
+    if precision_to_measure(config, rt) and (recorded := decided.get("precision")):
+        rt = decisions.with_precision(rt, recorded)
+    elif precision_to_measure(config, rt):
+        rt = measure_job_precision(config, rt, schema, inputs, input_shape, steps_per_epoch,
+                                   batching, compiles)
         keras.utils.set_random_seed(data.seed)  # the probe's models drew from the generator
+        decided.record("precision", {"value": rt.plan.precision,
+                                     "reason": rt.plan.reasons["precision"]})
     model, goals = build_model(config, rt, schema, input_shape, batching)
     # One input pipeline per worker process.
     sharding = pipeline.sharding(len(schema.split(data.train_split).shards), rt.num_workers)
@@ -175,7 +197,7 @@ def _build(config: Config, rt, lock: locks.Lock | None, converted_s: float = 0.0
                prepare_seconds=prepare_seconds, input_sharding=sharding, lock=lock,
                preprocess=inputs.preprocess, input_report=inputs.report,
                data_configs=inputs.configs, objectives=goals, epoch_batches=epoch_batches,
-               batching=batching)
+               batching=batching, decisions=decided, probe_compiles=compiles)
 
 
 # An engine built to be timed, not to train a run: its schedule never ends early.
@@ -225,13 +247,31 @@ def resolve_batching(config: Config, rt, schema):
                         run_epochs=0 if train.train_steps else train.epochs)
 
 
-def measure_batching(config: Config, rt, schema, batching):
+def _decided_batching(config: Config, rt, schema, decided, compiles: dict):
+    """The job's batching: measured (``measure_batching``) and recorded in a first run, the
+    recorded mode in a rerun of it (``decided``: ``training.decisions``)."""
+    recorded = decided.get("batching") if config.data.batching == "auto" else None
+    if recorded:
+        chosen = resolve_batching(dataclasses.replace(config, data=dataclasses.replace(
+            config.data, batching=recorded["mode"])), rt, schema)
+        return dataclasses.replace(chosen, reason=f"{recorded['reason']}; {decisions.REUSED}",
+                                   measured=recorded["measured"])
+    batching = measure_batching(config, rt, schema, resolve_batching(config, rt, schema),
+                                compiles)
+    if batching.measured:  # a prediction is made again alike; a measurement might not be
+        decided.record("batching", {"mode": batching.mode, "reason": batching.reason,
+                                    "measured": batching.measured})
+    return batching
+
+
+def measure_batching(config: Config, rt, schema, batching, compiles: dict | None = None):
     """``--batching=auto`` by measurement where the prediction is not clear: when neither
     bucket nor pack is predicted ``autotune.BATCHING_MARGIN`` cheaper and both passes of
     both modes fit in the probe's share of the run, each mode's own batches (the same
     number, from the job's pipeline) train a fresh copy of the job's model
     (``autotune.time_batchings``), and the faster in real tokens/s is taken. Otherwise
-    ``batching`` as predicted, its reason saying why nothing was timed."""
+    ``batching`` as predicted, its reason saying why nothing was timed. ``compiles``, if
+    given, learns how many step programs the probe compiled (``compiles["batching"]``)."""
     import keras
 
     from tfspeed.data import text as text_lib
@@ -264,6 +304,8 @@ def measure_batching(config: Config, rt, schema, batching):
     rates = autotune.time_batchings(runs, steps, agree=rt.mean_over_workers,
                                     progress=logging.info)
     keras.utils.set_random_seed(data.seed)  # the probe's models drew from the generator
+    if compiles is not None:
+        compiles["batching"] = sum(run[0].compiled_functions for run in runs.values())
     mode = max(rates, key=rates.get)
     figures = ", ".join(f"{m} {r:,.0f}" for m, r in rates.items())
     reason = (f"auto: {mode}, the more real tokens/s measured over {steps} batches each "
@@ -337,73 +379,6 @@ def engine_at(config: Config, rt, schema, input_shape, preprocess, precision: st
     keras.mixed_precision.set_global_policy(precision)
     model, goals = build_model(config, rt, schema, input_shape, batching)
     return build_engine(config, rt, model, goals, preprocess, batching=batching), rt
-
-def precision_to_measure(config: Config, rt) -> bool:
-    """``--precision=measure``, or ``auto`` chose bfloat16 for a CPU: measure whether it
-    pays for this model."""
-    if config.runtime.precision == "measure":
-        return True
-    return (config.runtime.precision == "auto" and rt.plan.precision == "mixed_bfloat16"
-            and rt.plan.reasons.get("precision", "").startswith("auto: this CPU"))
-
-
-def measure_precision(config: Config, rt, engine_for, source, run_steps: int):
-    """Times a few steps of the job's model (its loss and metrics too) in float32 and in the
-    mixed policy on one real batch; returns the runtime with the faster policy set
-    (``autotune.choose_precision``). Logs each stage: tracing a large model takes a while.
-    The driver and ``tfspeed.fit`` both probe through here.
-
-    Args:
-      engine_for: ``policy -> engine``: a fresh model of the job under that policy.
-      source: an in-graph input or an iterator of distributed batches (one held batch).
-      run_steps: the run's micro-steps (the probe takes a bounded share of them).
-    """
-    import keras
-
-    from tfspeed.tuning import autotune
-
-    candidate = rt.plan.precision
-    engines = {}
-    for policy in ("float32", candidate):
-        logging.info("precision probe: building and tracing the model in %s", policy)
-        keras.mixed_precision.set_global_policy(policy)
-        engines[policy] = engine_for(policy)
-    timed = autotune.time_steps(engines, source, agree=rt.mean_over_workers,
-                                run_steps=run_steps, progress=logging.info)
-    seconds = {policy: rt.mean_over_workers(t) for policy, t in timed.items()}
-    choice, why = autotune.choose_precision(candidate, seconds, config.runtime.precision)
-    keras.mixed_precision.set_global_policy(choice)
-    logging.info("--precision=%s", why)
-    return dataclasses.replace(rt, plan=dataclasses.replace(
-        rt.plan, precision=choice, loss_scale=choice == "mixed_float16",
-        reasons={**rt.plan.reasons, "precision": why}))
-
-
-def _measure_precision(config: Config, rt, schema, inputs, input_shape, steps_per_epoch: int,
-                       batching=None):
-    """``measure_precision`` for the driver's job: the job's model on a held real batch."""
-    import tensorflow as tf
-
-    from tfspeed.data import ingraph, pipeline
-
-    data = config.data
-    if ingraph.is_in_step(inputs.train):
-        source = inputs.train
-    else:
-        plain = dataclasses.replace(inputs.configs[data.train_split], shuffle=False,
-                                    augment=(), cache="none")
-        held = next(iter(pipeline.build_from_config(plain, data.train_split, training=True,
-                                                    schema=schema, batching=batching)))
-        source = iter(rt.strategy.experimental_distribute_dataset(
-            tf.data.Dataset.from_tensors(held).repeat()))
-
-    def engine_for(policy):
-        return engine_at(config, rt, schema, input_shape, inputs.preprocess, policy,
-                         batching=batching)[0]
-
-    run_steps = config.train.train_steps * config.train.grad_accum_steps or (
-        config.train.epochs * steps_per_epoch)
-    return measure_precision(config, rt, engine_for, source, run_steps)
 
 @contextlib.contextmanager
 def data_errors(data_dir: str):

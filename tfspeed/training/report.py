@@ -83,3 +83,45 @@ def _throughput_line(report: dict) -> str:
 def _thousands(value: float) -> str:
     """41234.5 -> '41k'; below 10,000 the number itself ('3,100')."""
     return f"{value / 1000:,.0f}k" if value >= 10_000 else f"{value:,.0f}"
+
+
+def resume(config, rt, from_update: int) -> dict:
+    """report.json's ``resume``: the update a rerun restored, and whether a run killed and
+    rerun ends with the weights of one never interrupted (``exact``), or why not.
+
+    Args:
+      config: the job's config (``--deterministic``, ``--shuffle``).
+      rt: the runtime (backend, replicas, whether op determinism is on).
+      from_update: the update restored (0: a fresh start).
+
+    Returns:
+      ``{"from_update", "exact", "why"}``.
+    """
+    data = config.data
+    if data.shuffle and not data.deterministic:
+        why = ("no: with shuffle on, parallel input stages hand elements on in the order "
+               "they finish; --deterministic fixes the order")
+    elif rt.backend == "tensorflow" and _onednn_on() and not _op_determinism():
+        why = ("no: oneDNN's kernels are on in this TensorFlow (TF_ENABLE_ONEDNN_OPTS), and "
+               "how they split a reduction over threads may differ between processes (last "
+               "bits); --deterministic enables TensorFlow's op determinism")
+    else:
+        why = "yes: the input order and the kernels are deterministic" + (
+            " (--deterministic: TensorFlow's op determinism)" if _op_determinism() else "")
+    return {"from_update": from_update, "exact": why.startswith("yes"), "why": why}
+
+
+def _onednn_on() -> bool:
+    """Whether TensorFlow runs oneDNN's custom CPU kernels (its own default on CPUs with
+    AVX512_BF16 or AMX; TF_ENABLE_ONEDNN_OPTS=0/1 decides elsewhere)."""
+    from tensorflow.python.util import _pywrap_util_port
+
+    return bool(_pywrap_util_port.IsMklEnabled())
+
+
+def _op_determinism() -> bool:
+    """Whether ``tf.config.experimental.enable_op_determinism()`` is in force (TF exports no
+    public getter)."""
+    from tensorflow.python.framework import config as tf_config
+
+    return bool(tf_config.is_op_determinism_enabled())

@@ -46,6 +46,7 @@ def _train_and_report(job: Job) -> dict:
             preprocess=job.preprocess,
             objectives=job.objectives,
             weight_scale=weight_scale(job.batching, job.objectives),
+            decisions=job.decisions,
         )
     data_cache.seal_built()  # caches this run finished: the next run checks their checksums
     weights = weights_sha256(model)
@@ -69,6 +70,10 @@ def _train_and_report(job: Job) -> dict:
         "resumed_from_update": result.resumed_from_update,
         "steps_per_execution": result.steps_per_execution,
         "compiled_functions": result.compiled_functions,
+        # The probes' engines are programs compiled too (one each per input shape timed).
+        "probe_compiled_functions": job.probe_compiles,
+        "decisions": job.decisions.report() if job.decisions else {},
+        "resume": report.resume(config, rt, result.resumed_from_update),
         "learning_rate": result.learning_rate,
         "profile": result.profile,
         "peak_host_rss_mb": system.peak_rss_mb(),

@@ -145,6 +145,7 @@ def fit(
     callbacks=(),
     optimizer=None,
     weight_scale: float | None = None,
+    decisions=None,
 ) -> FitResult:
     """Trains ``model`` on ``train_data`` and evaluates it on ``eval_data``.
 
@@ -165,6 +166,8 @@ def fit(
       optimizer: a Keras optimizer made in the strategy's scope, instead of the one
         ``config`` describes.
       weight_scale: token data: one micro-batch's expected weight (``make_engine``).
+      decisions: the run's recorded choices (``training.decisions``): steps per call
+        measured once, reused by a rerun.
 
     Returns:
       A ``FitResult``.
@@ -180,7 +183,7 @@ def fit(
     with _worker_dir(model_dir, None if runtime.is_chief else runtime.worker_index) as write_dir:
         return _fit(engine, train_data, eval_data, config, runtime, steps_per_epoch,
                     eval_steps, global_batch_size, model_dir, write_dir, total_updates,
-                    callbacks=list(callbacks))
+                    callbacks=list(callbacks), decisions=decisions)
 
 
 @contextlib.contextmanager
@@ -203,7 +206,8 @@ def _worker_dir(model_dir: str, worker_index: int | None):
 
 
 def _fit(engine, train_data, eval_data, config, runtime, steps_per_epoch, eval_steps,
-         global_batch_size, model_dir, write_dir, total_updates, callbacks=()) -> FitResult:
+         global_batch_size, model_dir, write_dir, total_updates, callbacks=(),
+         decisions=None) -> FitResult:
     k = config.grad_accum_steps
     # An in-graph source is its own "iterator": each step gathers its batch in the graph.
     iterator = train_data if ingraph.is_in_step(train_data) else iter(train_data)
@@ -223,7 +227,8 @@ def _fit(engine, train_data, eval_data, config, runtime, steps_per_epoch, eval_s
     hooks = Callbacks(callbacks, engine.model, steps_per_epoch, total_updates * k,
                       engine.metric_names, sync=engine.sync_model)
     loop = _Loop(engine, config, global_batch_size, write_dir, total_updates * k, steps_per_epoch,
-                 agree=runtime.mean_over_workers, hooks=hooks, evaluate=evaluate)
+                 agree=runtime.mean_over_workers, hooks=hooks, evaluate=evaluate,
+                 decisions=decisions)
     hooks.train_begin()
     start = time.perf_counter()
     # A signal reaches one worker of a multi-worker job first; one stopping alone would
@@ -275,8 +280,9 @@ class _Loop:
 
     def __init__(self, engine: Engine, config: TrainConfig, global_batch_size: int,
                  model_dir: str, total_micro: int, steps_per_epoch: int,
-                 agree=lambda value: value, hooks=None, evaluate=None):
+                 agree=lambda value: value, hooks=None, evaluate=None, decisions=None):
         self.engine, self.config, self.total_micro = engine, config, total_micro
+        self.decisions = decisions  # steps per call: measured once, reused by a rerun
         self.evaluate = evaluate  # () -> metrics over the eval split, or None
         # Micro-steps between evaluations during the run (0: only the one at the end).
         self.eval_every = config.eval_every_epochs * steps_per_epoch if evaluate else 0
@@ -480,6 +486,10 @@ class _Loop:
         engine takes N as a tensor, so trying values does not retrace.
         """
 
+        recorded = self.decisions.get("steps_per_execution") if self.decisions else None
+        if recorded:
+            self.tuning = {**recorded, "reused": "from the first run"}
+            return recorded["value"], done
         at = [done]  # where the next probe call starts, for the callbacks
 
         def run_call(n: int) -> None:
@@ -491,4 +501,6 @@ class _Loop:
             run_call, self.total_micro - done, self.steps_per_epoch, self.agree)
         logging.info("steps_per_execution=auto chose %d (%s)", n,
                      ", ".join(f"{k}={v}" for k, v in self.tuning.items() if k != "value"))
+        if self.decisions and "probe_steps" in self.tuning:  # measured, not a default taken
+            self.decisions.record("steps_per_execution", self.tuning)
         return n, done + used

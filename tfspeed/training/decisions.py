@@ -1,0 +1,111 @@
+"""Choices a run makes by measuring, recorded once and reused when the run is resumed.
+
+``--precision=auto`` (on a host with native bfloat16, or ``measure``), ``--batching=auto``
+(where it times bucket against pack) and ``--steps_per_execution=auto`` time the model on
+this machine. A killed run, rerun, must not time them again: the probes cost their time
+a second time (~80 s for the default text job on 2 cores), and timings on a shared machine
+are noisy, so a second measurement can pick the other precision or batching and the
+resumed run then trains a different computation than the checkpoint's. The first run
+writes each choice to ``MODEL_DIR/checkpoints/decisions.json`` (beside the state that
+depends on it: removing the checkpoints starts the run, and its decisions, afresh); a
+rerun of the same job reads them back and its report says "reused from the first run".
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+
+from absl import logging
+
+from tfspeed.util.files import write_json_atomic
+
+FILE = "decisions.json"
+REUSED = "reused from the first run"
+
+
+def _fingerprint(config, backend: str) -> str:
+    """What the decisions depend on: the data, model and runtime flags and the backend
+    (not the run's length: a rerun that trains longer resumes the same computation)."""
+    sections = config.to_json()
+    key = {name: sections[name] for name in ("data", "model", "runtime")}
+    key["backend"] = backend
+    key["train"] = {"grad_accum_steps": sections["train"]["grad_accum_steps"]}
+    return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()
+
+
+class Decisions:
+    """The measured choices of one run directory.
+
+    Only a single-process run reuses them: the workers of a multi-worker job measure
+    together (collectives), and one reading a file the others do not see would wait alone.
+    """
+
+    def __init__(self, model_dir: str, config, backend: str, *, writes: bool = True,
+                 reuses: bool = True):
+        """Args:
+          model_dir: the run directory (the file lives in its ``checkpoints``).
+          config: the job's config: decisions of another job in this directory are not
+            reused (and are overwritten when this one decides).
+          backend: Keras' backend, part of what the decisions depend on.
+          writes: whether this process records (the chief).
+          reuses: whether this process may reuse (a single-process run).
+        """
+        self.path = os.path.join(model_dir, "checkpoints", FILE)
+        self.fingerprint = _fingerprint(config, backend)
+        self.writes = writes
+        self.reused: list[str] = []
+        self._made: dict = {}
+        self._recorded = self._read() if reuses else {}
+
+    def _read(self) -> dict:
+        try:
+            with open(self.path) as f:
+                found = json.load(f)
+        except (OSError, ValueError):
+            return {}
+        if found.get("fingerprint") != self.fingerprint:
+            logging.info("%s holds the decisions of another job's flags: measuring again",
+                         self.path)
+            return {}
+        return dict(found.get("decisions", {}))
+
+    def get(self, name: str) -> dict | None:
+        """The first run's decision ``name`` (marked reused), or None if it made none."""
+        value = self._recorded.get(name)
+        if value is not None:
+            self.reused.append(name)
+            self._made[name] = value
+            logging.info("%s: %s (%s)", name, REUSED, self.path)
+        return value
+
+    def record(self, name: str, value: dict) -> None:
+        """Keeps the decision ``name`` (JSON values) for a resumed run."""
+        self._made[name] = value
+        if not self.writes:
+            return
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        write_json_atomic(self.path, {"fingerprint": self.fingerprint,
+                                      "decisions": {**self._recorded, **self._made}})
+
+    def report(self) -> dict:
+        """report.json's ``decisions``: which were made here and which reused."""
+        return {"file": self.path, "made": sorted(set(self._made) - set(self.reused)),
+                "reused": sorted(self.reused),
+                **({"note": f"{', '.join(sorted(self.reused))}: {REUSED}"}
+                   if self.reused else {})}
+
+
+def with_precision(rt, recorded: dict):
+    """``rt`` with the first run's precision (``recorded``: its value and reason) in force,
+    as the probe leaves it (the global Keras policy set too)."""
+    import dataclasses
+
+    import keras
+
+    choice = recorded["value"]
+    keras.mixed_precision.set_global_policy(choice)
+    return dataclasses.replace(rt, plan=dataclasses.replace(
+        rt.plan, precision=choice, loss_scale=choice == "mixed_float16",
+        reasons={**rt.plan.reasons, "precision": f"{recorded['reason']}; {REUSED}"}))
