@@ -66,6 +66,21 @@ def test_the_default_text_job_resumes_exactly_after_sigkill(text_dirs, tmp_path)
     straight = _run_here(_command(data, tmp_path / "straight"))
     report = json.loads((killed_dir / "report.json").read_text())
     assert 0 < report["resumed_from_update"] < STEPS
+    # What the killed run measured (precision on a host with native bfloat16, batching
+    # where it timed both modes) the rerun took from its record instead of probing again.
+    recorded = json.loads((killed_dir / "checkpoints" / "decisions.json").read_text())
+    assert sorted(recorded["decisions"]) == report["decisions"]["reused"]
+    assert not report["decisions"]["made"] and not report["probe_compiled_functions"]
+    assert "precision probe" not in resumed.stderr and "batching probe" not in resumed.stderr
+    if "precision" in recorded["decisions"]:
+        assert report["runtime"]["precision"] == recorded["decisions"]["precision"]["value"]
+        assert report["runtime"]["reasons"]["precision"].endswith("reused from the first run")
+    assert ("precision" in recorded["decisions"]) == _probes_here(), recorded
+    # --deterministic: TensorFlow's op determinism, so exact also where oneDNN is on.
+    # The same kernels as the killed attempt (oneDNN's where this TensorFlow runs them):
+    # bit-exact, and the report says so.
+    assert report["resume"]["exact"], report["resume"]
+    assert report["weights_sha256"] == straight["weights_sha256"]
     assert report["optimizer_updates"] == straight["optimizer_updates"] == STEPS
     # Every setting was the default's to resolve, and it resolved.
     config = report["config"]
@@ -78,4 +93,12 @@ def test_the_default_text_job_resumes_exactly_after_sigkill(text_dirs, tmp_path)
     for got, want in zip(keras.models.load_model(killed_dir / "model.keras").get_weights(),
                          keras.models.load_model(tmp_path / "straight" / "model.keras")
                          .get_weights(), strict=True):
-        np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
+        np.testing.assert_array_equal(got, want)
+
+
+def _probes_here() -> bool:
+    """Whether precision auto measures on this host (its CPU has native bfloat16)."""
+    from tfspeed import runtime
+    from tfspeed.runtime import hostmem
+
+    return runtime.Hardware(cpu_flags=frozenset(hostmem.cpu_flags())).cpu_has_bf16

@@ -57,6 +57,7 @@ class Decisions:
         self.writes = writes
         self.reused: list[str] = []
         self._made: dict = {}
+        self._first: dict = {}  # the first run's file: its decisions and its kernels
         self._recorded = self._read() if reuses else {}
 
     def _read(self) -> dict:
@@ -69,6 +70,7 @@ class Decisions:
             logging.info("%s holds the decisions of another job's flags: measuring again",
                          self.path)
             return {}
+        self._first = found
         return dict(found.get("decisions", {}))
 
     def get(self, name: str) -> dict | None:
@@ -83,11 +85,23 @@ class Decisions:
     def record(self, name: str, value: dict) -> None:
         """Keeps the decision ``name`` (JSON values) for a resumed run."""
         self._made[name] = value
-        if not self.writes:
-            return
+        if self.writes:
+            self._write()
+
+    def _write(self) -> None:
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
         write_json_atomic(self.path, {"fingerprint": self.fingerprint,
-                                      "decisions": {**self._recorded, **self._made}})
+                                      "decisions": {**self._recorded, **self._made},
+                                      "kernels": self._first.get("kernels")})
+
+    def first_kernels(self, current: dict) -> dict:
+        """The kernels the run's first attempt computed with (``kernels()``), recorded now
+        if this is the first: a rerun on other kernels resumes, but not bit-exactly."""
+        if self._first.get("kernels") is None:
+            self._first["kernels"] = current
+            if self.writes:
+                self._write()
+        return self._first["kernels"]
 
     def report(self) -> dict:
         """report.json's ``decisions``: which were made here and which reused."""
@@ -109,3 +123,26 @@ def with_precision(rt, recorded: dict):
     return dataclasses.replace(rt, plan=dataclasses.replace(
         rt.plan, precision=choice, loss_scale=choice == "mixed_float16",
         reasons={**rt.plan.reasons, "precision": f"{recorded['reason']}; {REUSED}"}))
+
+
+def kernels(backend: str, intra_op_threads: int) -> dict:
+    """Which kernels compute the step here: the same model, data and order give the same
+    bits only on the same kernels and thread count (reductions are summed in another order
+    elsewhere).
+
+    Args:
+      backend: Keras' backend; on JAX, XLA's kernels (TensorFlow's settings do not apply).
+      intra_op_threads: the threads one op may use (0: TensorFlow's default, one a core).
+
+    Returns:
+      ``{"backend", "onednn", "intra_op_threads"}``.
+    """
+    if backend != "tensorflow":
+        return {"backend": backend}
+    from tensorflow.python.util import _pywrap_util_port
+
+    return {"backend": backend,
+            # oneDNN's custom kernels: TensorFlow's default on CPUs with AVX512_BF16 or
+            # AMX, else off; TF_ENABLE_ONEDNN_OPTS=0/1 decides on any x86 CPU.
+            "onednn": bool(_pywrap_util_port.IsMklEnabled()),
+            "intra_op_threads": intra_op_threads or len(os.sched_getaffinity(0))}

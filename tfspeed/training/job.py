@@ -147,16 +147,12 @@ def _build(config: Config, rt, lock: locks.Lock | None, converted_s: float = 0.0
         service.check_reachable(data.data_service)
     num_train = schema.split(data.train_split).num_records
     keras.utils.set_random_seed(data.seed)
-    if data.deterministic and rt.backend == "tensorflow":
-        # Same kernels, same thread splits in every process: a rerun resumes bit-exactly
-        # also where oneDNN's kernels are on (report.json's ``resume``).
-        import tensorflow as tf
-
-        tf.config.experimental.enable_op_determinism()
     strategy = rt.strategy
     batching, epoch_batches, compiles = None, 0, {}
     decided = decisions.Decisions(config.model_dir, config, rt.backend, writes=rt.is_chief,
                                   reuses=rt.num_workers == 1)
+    # Before anything is trained: a killed attempt's rerun compares its kernels with these.
+    decided.first_kernels(decisions.kernels(rt.backend, rt.plan.intra_op_threads))
     if text_lib.is_text(schema):
         batching = _decided_batching(config, rt, schema, decided, compiles)
         _check_text_batch(batching, schema, data.train_split)

@@ -85,14 +85,16 @@ def _thousands(value: float) -> str:
     return f"{value / 1000:,.0f}k" if value >= 10_000 else f"{value:,.0f}"
 
 
-def resume(config, rt, from_update: int) -> dict:
+
+def resume(config, from_update: int, first: dict, here: dict) -> dict:
     """report.json's ``resume``: the update a rerun restored, and whether a run killed and
-    rerun ends with the weights of one never interrupted (``exact``), or why not.
+    rerun ends with the bits of one never interrupted (``exact``), or why not.
 
     Args:
-      config: the job's config (``--deterministic``, ``--shuffle``).
-      rt: the runtime (backend, replicas, whether op determinism is on).
+      config: the job's config (``--shuffle``, ``--deterministic``).
       from_update: the update restored (0: a fresh start).
+      first: the kernels the run's first attempt computed with (``decisions.kernels``).
+      here: this process's kernels.
 
     Returns:
       ``{"from_update", "exact", "why"}``.
@@ -101,27 +103,12 @@ def resume(config, rt, from_update: int) -> dict:
     if data.shuffle and not data.deterministic:
         why = ("no: with shuffle on, parallel input stages hand elements on in the order "
                "they finish; --deterministic fixes the order")
-    elif rt.backend == "tensorflow" and _onednn_on() and not _op_determinism():
-        why = ("no: oneDNN's kernels are on in this TensorFlow (TF_ENABLE_ONEDNN_OPTS), and "
-               "how they split a reduction over threads may differ between processes (last "
-               "bits); --deterministic enables TensorFlow's op determinism")
+    elif first != here:
+        changed = ", ".join(f"{name} {first.get(name)} -> {here.get(name)}"
+                            for name in sorted(here) if first.get(name) != here.get(name))
+        why = (f"no: the first attempt computed on other kernels ({changed}; oneDNN follows "
+               "TF_ENABLE_ONEDNN_OPTS): reductions round differently in the last bits")
     else:
-        why = "yes: the input order and the kernels are deterministic" + (
-            " (--deterministic: TensorFlow's op determinism)" if _op_determinism() else "")
+        why = ("yes: the input order is fixed and the kernels are the first attempt's "
+               f"({', '.join(f'{k}={v}' for k, v in here.items())})")
     return {"from_update": from_update, "exact": why.startswith("yes"), "why": why}
-
-
-def _onednn_on() -> bool:
-    """Whether TensorFlow runs oneDNN's custom CPU kernels (its own default on CPUs with
-    AVX512_BF16 or AMX; TF_ENABLE_ONEDNN_OPTS=0/1 decides elsewhere)."""
-    from tensorflow.python.util import _pywrap_util_port
-
-    return bool(_pywrap_util_port.IsMklEnabled())
-
-
-def _op_determinism() -> bool:
-    """Whether ``tf.config.experimental.enable_op_determinism()`` is in force (TF exports no
-    public getter)."""
-    from tensorflow.python.framework import config as tf_config
-
-    return bool(tf_config.is_op_determinism_enabled())

@@ -73,7 +73,7 @@ def _train_and_report(job: Job) -> dict:
         # The probes' engines are programs compiled too (one each per input shape timed).
         "probe_compiled_functions": job.probe_compiles,
         "decisions": job.decisions.report() if job.decisions else {},
-        "resume": report.resume(config, rt, result.resumed_from_update),
+        "resume": _resume(job, result.resumed_from_update),
         "learning_rate": result.learning_rate,
         "profile": result.profile,
         "peak_host_rss_mb": system.peak_rss_mb(),
@@ -101,6 +101,17 @@ def _train_and_report(job: Job) -> dict:
     print(f"report: {path}")
     report.check_evaluation(out["eval_metrics"], config.model_dir)
     return out
+
+def _resume(job: Job, from_update: int) -> dict:
+    """report.json's ``resume`` (``report.resume``), the kernels compared with the first
+    attempt's (``training.decisions``)."""
+    from tfspeed.training import decisions, report
+
+    rt = job.runtime
+    here = decisions.kernels(rt.backend, rt.plan.intra_op_threads)
+    first = job.decisions.first_kernels(here) if job.decisions else here
+    return report.resume(job.config, from_update, first, here)
+
 
 def weights_sha256(model) -> str:
     """A digest of the model's weights: equal on every worker of a synchronous job."""
