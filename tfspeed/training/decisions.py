@@ -146,3 +146,19 @@ def kernels(backend: str, intra_op_threads: int) -> dict:
             # AMX, else off; TF_ENABLE_ONEDNN_OPTS=0/1 decides on any x86 CPU.
             "onednn": bool(_pywrap_util_port.IsMklEnabled()),
             "intra_op_threads": intra_op_threads or len(os.sched_getaffinity(0))}
+
+
+def tuned(decided: Decisions | None, tune):
+    """``--steps_per_execution=auto``: the first run's N where it measured one, else
+    ``tune()`` (``autotune.tune_steps_per_execution``), recorded when it measured.
+
+    Returns:
+      ``(N, steps the probe used, report)``.
+    """
+    recorded = decided.get("steps_per_execution") if decided else None
+    if recorded:
+        return recorded["value"], 0, {**recorded, "reused": "from the first run"}
+    n, used, report = tune()
+    if decided and "probe_steps" in report:  # measured, not a default taken
+        decided.record("steps_per_execution", report)
+    return n, used, report

@@ -29,6 +29,7 @@ from tfspeed.data import ingraph
 from tfspeed.diagnosis import profiling
 from tfspeed.errors import UsageError
 from tfspeed.runtime import Runtime
+from tfspeed.training import decisions as decisions_lib
 from tfspeed.training import meters
 from tfspeed.training.callbacks import Callbacks
 from tfspeed.training.checkpoints import Checkpoints, LossDiverged  # noqa: F401 -- re-exported
@@ -166,8 +167,7 @@ def fit(
       optimizer: a Keras optimizer made in the strategy's scope, instead of the one
         ``config`` describes.
       weight_scale: token data: one micro-batch's expected weight (``make_engine``).
-      decisions: the run's recorded choices (``training.decisions``): steps per call
-        measured once, reused by a rerun.
+      decisions: ``training.decisions``: steps per call measured once, reused by a rerun.
 
     Returns:
       A ``FitResult``.
@@ -227,8 +227,7 @@ def _fit(engine, train_data, eval_data, config, runtime, steps_per_epoch, eval_s
     hooks = Callbacks(callbacks, engine.model, steps_per_epoch, total_updates * k,
                       engine.metric_names, sync=engine.sync_model)
     loop = _Loop(engine, config, global_batch_size, write_dir, total_updates * k, steps_per_epoch,
-                 agree=runtime.mean_over_workers, hooks=hooks, evaluate=evaluate,
-                 decisions=decisions)
+                 agree=runtime.mean_over_workers, hooks=hooks, evaluate=evaluate, decisions=decisions)
     hooks.train_begin()
     start = time.perf_counter()
     # A signal reaches one worker of a multi-worker job first; one stopping alone would
@@ -486,10 +485,6 @@ class _Loop:
         engine takes N as a tensor, so trying values does not retrace.
         """
 
-        recorded = self.decisions.get("steps_per_execution") if self.decisions else None
-        if recorded:
-            self.tuning = {**recorded, "reused": "from the first run"}
-            return recorded["value"], done
         at = [done]  # where the next probe call starts, for the callbacks
 
         def run_call(n: int) -> None:
@@ -497,10 +492,9 @@ class _Loop:
                                        end_epoch=True)["loss"])
             at[0] += n
 
-        n, used, self.tuning = autotune.tune_steps_per_execution(
-            run_call, self.total_micro - done, self.steps_per_epoch, self.agree)
+        n, used, self.tuning = decisions_lib.tuned(
+            self.decisions, lambda: autotune.tune_steps_per_execution(
+                run_call, self.total_micro - done, self.steps_per_epoch, self.agree))
         logging.info("steps_per_execution=auto chose %d (%s)", n,
                      ", ".join(f"{k}={v}" for k, v in self.tuning.items() if k != "value"))
-        if self.decisions and "probe_steps" in self.tuning:  # measured, not a default taken
-            self.decisions.record("steps_per_execution", self.tuning)
         return n, done + used
