@@ -33,17 +33,16 @@ from tfspeed.runtime import hostmem as _hostmem  # noqa: E402
 _hostmem.apply()
 
 # The public functions themselves, their signatures and docstrings for help(): their modules
-# import TensorFlow only when called, so `import tfspeed` stays free of it. (tfspeed/diagnose.py,
-# the command, makes its module callable as `diagnose`: importing it keeps tfspeed.diagnose(...).)
+# import TensorFlow only when called, so `import tfspeed` stays free of it. `tfspeed.diagnose`
+# is the command's module, callable as tfspeed.attach.verdict.diagnose(dataset, model).
 from tfspeed.attach.optimize import optimize  # noqa: E402
-from tfspeed.attach.verdict import diagnose  # noqa: E402
 from tfspeed.training.api import fit  # noqa: E402
 
 __all__ = ["__version__", "convert", "data", "diagnose", "fit", "optimize", "split_cpu"]
 
 # Imported on first use (PEP 562), as `import tfspeed; tfspeed.data.build(...)` expects;
 # neither starts TensorFlow.
-_SUBPACKAGES = ("config", "convert", "data", "runtime", "training")
+_SUBPACKAGES = ("config", "convert", "data", "runtime", "training", "diagnose")
 
 
 def __getattr__(name: str):

@@ -64,8 +64,8 @@ if __name__ == "__main__":
 
 
 class _CallableModule(types.ModuleType):
-    """``import tfspeed.diagnose`` binds this module where ``tfspeed.diagnose`` was the
-    function: the module answers calls as that function does."""
+    """The command's module is also ``tfspeed.diagnose(dataset, model, **options)``: see
+    ``tfspeed.attach.verdict.diagnose``."""
 
     def __call__(self, dataset, model, **options):
         from tfspeed.attach.verdict import diagnose
