@@ -22,7 +22,8 @@ from tfspeed.errors import UsageError
 
 RAM_SHARE = 0.25  # of the memory available now: the most a stored part may hold in RAM
 DISK_SHARE = 0.5  # of the free disk: the most a store may take
-PROBE_SECONDS = 1.0  # each contender's timing on a later run
+PROBE_SECONDS = 1.0  # each contender's timing on a later run, at most
+PROBE_SHARE_OF_EPOCH = 5  # and at most 1/5 of an epoch's elements
 # Attributes Keras' dataset utilities set on the datasets they return (scripts read them).
 USER_ATTRIBUTES = ("class_names", "file_paths")
 
@@ -122,9 +123,16 @@ def _rewrite(dataset, report: Report, cache_dir, ram_budget_mb, probe_seconds):
         report.verdict = (f"storing the deterministic part ({plan.maps_stored} map(s)) as it "
                           f"passes, at {held.folder}; later epochs and runs replay it")
         return out
-    # Timed on a copy: iterating the user's own object would advance its shuffles' seeds.
-    report.before_per_s = _rate(graph.copy(dataset), probe_seconds)
-    report.after_per_s = _rate(plan.replay(plan.stored.cache(held.prefix)), probe_seconds)
+    timed = held.timing()
+    if timed is None:  # once per store: the figures are kept beside it for every later run
+        # On copies (iterating the user's own object would advance its shuffles' seeds), for
+        # at most a fifth of an epoch each: the probe must not cost what it could save.
+        share = max(2, int(dataset.cardinality()) // PROBE_SHARE_OF_EPOCH)
+        timed = {"before_per_s": _rate(graph.copy(dataset), probe_seconds, share),
+                 "after_per_s": _rate(plan.replay(plan.stored.cache(held.prefix)),
+                                      probe_seconds, share)}
+        held.keep_timing(timed)
+    report.before_per_s, report.after_per_s = timed["before_per_s"], timed["after_per_s"]
     if report.after_per_s > report.before_per_s:
         report.verdict = f"replaying the stored deterministic part from {held.folder}"
         return out
@@ -200,14 +208,15 @@ def _available_memory() -> float:
     return 2.0 * 2**30
 
 
-def _rate(dataset, seconds: float) -> float:
-    """Elements/s of one pass's start, after its first element (the warm-up)."""
+def _rate(dataset, seconds: float, most: int) -> float:
+    """Elements/s of one pass's start, after its first element (the warm-up), over at most
+    ``most`` elements or ``seconds``."""
     it = iter(dataset)
     if next(it, None) is None:
         return 0.0
     n, start = 0, time.perf_counter()
     for _ in it:
         n += 1
-        if time.perf_counter() - start >= seconds:
+        if n >= most or time.perf_counter() - start >= seconds:
             break
     return n / max(time.perf_counter() - start, 1e-9)

@@ -14,14 +14,16 @@ from __future__ import annotations
 
 import glob
 import hashlib
+import json
 import os
 import re
 import shutil
 
 from tfspeed.errors import UsageError
-from tfspeed.util import locks
+from tfspeed.util import files, locks
 
 ENV_DIR = "TFSPEED_CACHE_DIR"
+TIMING = "timing.json"
 _HELD: dict[str, locks.Lock] = {}  # stores this process is writing: locked until it exits
 
 
@@ -41,9 +43,7 @@ def fingerprint(dataset) -> tuple[str, int]:
 
     graph = graph_pb2.GraphDef.FromString(dataset._as_serialized_graph(
         external_state_policy=_warn_policy()).numpy())
-    for node in graph.node:  # its name holds a counter of this process: "ZipDataset:10"
-        if "metadata" in node.attr:
-            del node.attr["metadata"]
+    _canonical_nodes(graph)
     # Generated function names hold counters of this process (__inference_..._1234), and
     # the library is ordered by them: each name becomes "fn", each function hashed on its own.
     names = sorted((f.signature.name for f in graph.library.function), key=len, reverse=True)
@@ -53,11 +53,27 @@ def fingerprint(dataset) -> tuple[str, int]:
     digest = hashlib.sha256()
     for part in [parts[0], *sorted(parts[1:])]:
         digest.update(part.encode())
-    files = _files(dataset)
-    for path in files:
+    inputs = _files(dataset)
+    for path in inputs:
         st = os.stat(path)
         digest.update(f"{path}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
-    return digest.hexdigest()[:24], len(files)
+    return digest.hexdigest()[:24], len(inputs)
+
+
+def _canonical_nodes(graph) -> None:
+    """Node names and attributes that hold counters or ids of this process ("ZipDataset:10",
+    "HashTableFromGraphDef/0/1768...", a table's "hash_table_<uid>") become their positions."""
+    names = {node.name: f"n{i}" for i, node in enumerate(graph.node)}
+    for node in graph.node:
+        node.name = names[node.name]
+        for k, given in enumerate(node.input):
+            control, base = given.startswith("^"), given.lstrip("^")
+            name, _, port = base.partition(":")
+            node.input[k] = ("^" if control else "") + names.get(name, name) + (
+                f":{port}" if port else "")
+        for attr in ("metadata", "shared_name"):
+            if attr in node.attr:
+                del node.attr[attr]
 
 
 def _canonical(text: str, names: list[str]) -> str:
@@ -136,6 +152,17 @@ class Store:
         """The file cache finished a whole pass: its index is there and no writer's lock."""
         return os.path.exists(self.prefix + ".index") and not glob.glob(
             glob.escape(self.prefix) + "*.lockfile")
+
+    def timing(self) -> dict | None:
+        """The store against the pipeline as written, as a later run first timed them."""
+        try:
+            with open(os.path.join(self.folder, TIMING)) as f:
+                return json.load(f)
+        except (OSError, ValueError):
+            return None
+
+    def keep_timing(self, figures: dict) -> None:
+        files.write_json_atomic(os.path.join(self.folder, TIMING), figures)
 
     def size_bytes(self) -> int:
         return sum(os.path.getsize(p) for p in glob.glob(glob.escape(self.prefix) + "*"))
