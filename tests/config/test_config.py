@@ -1,7 +1,6 @@
 """One set of defaults: the config dataclasses, the command line and ``tfspeed.fit`` resolve the
-same job; ``auto`` is a value of its own; the package imports in one direction."""
+same job; ``auto`` is a value of its own; the config imports no TensorFlow."""
 
-import ast
 import dataclasses
 import json
 import os
@@ -16,8 +15,6 @@ from tfspeed.config import AUTO, Config, DataConfig, ModelConfig, RuntimeConfig,
 from tfspeed.errors import UsageError
 
 ENV = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
-COMMANDS = {"tfspeed.train", "tfspeed.tune", "tfspeed.diagnose", "tfspeed.verify",
-            "tfspeed.launch", "tfspeed.data_service", "tfspeed.bench"}
 
 
 def test_auto_is_a_value_of_its_own():
@@ -100,73 +97,6 @@ def test_python_the_command_line_and_fit_resolve_the_same_defaults(digits_dir, t
                  r["steps_per_execution"]["auto"]) for r in (python, cli, fitted)]
     assert resolved[0] == resolved[1] == resolved[2]
     assert resolved[0][3] is True
-
-
-def _imports(path) -> list[str]:
-    """The tfspeed modules a file imports at its top level (not inside functions)."""
-    tree = ast.parse(path.read_text())
-    found = []
-    for node in tree.body:
-        if isinstance(node, ast.Import):
-            found += [a.name for a in node.names if a.name.startswith("tfspeed")]
-        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("tfspeed"):
-            found.append(node.module)
-            found += [f"{node.module}.{a.name}" for a in node.names]
-    return found
-
-
-def _modules() -> dict[str, object]:
-    package = REPO / "tfspeed"
-    out = {}
-    for path in package.rglob("*.py"):
-        name = ".".join(path.relative_to(REPO).with_suffix("").parts)
-        out[name.removesuffix(".__init__")] = path
-    return out
-
-
-def test_library_code_never_imports_a_command():
-    modules = _modules()
-    for name, path in modules.items():
-        if name in COMMANDS or name == "tfspeed.util.cli" or name == "tfspeed.convert.cli":
-            continue
-        tree = ast.parse(path.read_text())
-        for node in ast.walk(tree):  # inside functions too
-            targets = []
-            if isinstance(node, ast.Import):
-                targets = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.module:
-                targets = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
-            bad = [t for t in targets if t in COMMANDS or t == "tfspeed.util.cli"]
-            assert not bad, f"{name} imports command-line code {bad}"
-
-
-def test_no_import_cycles_between_modules():
-    modules = _modules()
-    graph = {name: {t for t in _imports(path) if t in modules and t != name}
-             for name, path in modules.items()}
-    # Importing a.b.c runs a/__init__ and a/b/__init__ first.
-    for name in list(graph):
-        parts = name.split(".")
-        for i in range(2, len(parts)):
-            parent = ".".join(parts[:i])
-            if parent in graph and parent != name:
-                graph[name].add(parent)
-    state = {}
-
-    def visit(node, stack):
-        state[node] = "open"
-        for nxt in sorted(graph[node]):
-            if nxt.startswith(node + "."):
-                continue  # a package importing its own module is not a cycle
-            if state.get(nxt) == "open":
-                raise AssertionError(f"import cycle: {' -> '.join([*stack, node, nxt])}")
-            if nxt not in state:
-                visit(nxt, [*stack, node])
-        state[node] = "done"
-
-    for name in sorted(graph):
-        if name not in state:
-            visit(name, [])
 
 
 def test_importing_the_config_imports_no_tensorflow():
