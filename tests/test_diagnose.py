@@ -213,8 +213,8 @@ def test_precision_advice_follows_the_probes_measurement_not_a_rule_of_thumb(dig
 
     from tfspeed.data import schema as schema_lib
     from tfspeed.diagnosis import precision
+    from tfspeed.probes import autotune
     from tfspeed.runtime import Hardware, resolve
-    from tfspeed.tuning import autotune
 
     config = _config(digits_dir, "/tmp/unused", data={"cache": "none"})
     schema = schema_lib.read(digits_dir)

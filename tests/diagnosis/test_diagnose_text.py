@@ -141,8 +141,8 @@ def test_precision_advice_never_goes_against_its_measurement(short_texts, tmp_pa
     step in the mixed policy this hardware offers itself. Either way a policy is advised
     only where it measured faster, and the gain cites the measured ratio."""
     from tfspeed.diagnosis import precision
+    from tfspeed.probes import autotune
     from tfspeed.runtime import detect_hardware, resolve
-    from tfspeed.tuning import autotune
 
     config = Config(
         data=DataConfig(data_dir=short_texts, batch_size=8, eval_split="", batching="bucket"),

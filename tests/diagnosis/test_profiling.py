@@ -7,7 +7,7 @@ import pytest
 import tensorflow as tf
 
 from tfspeed.config import Config, DataConfig, ModelConfig, RuntimeConfig, TrainConfig
-from tfspeed.diagnosis import profiling
+from tfspeed.probes import profiling
 from tfspeed.training.run import run
 
 

@@ -72,8 +72,8 @@ def test_auto_times_bucket_and_pack_where_the_run_is_long_enough(short_texts, tm
     batching is then that mode's own, and report.json's ``measured`` says what was timed."""
     from tfspeed import runtime
     from tfspeed.data import schema as schema_lib
+    from tfspeed.probes import autotune
     from tfspeed.training import job
-    from tfspeed.tuning import autotune
 
     config = _config(short_texts, tmp_path, steps=100_000)
     # Rows of 64 (longer docstrings split): bucket 2.1 and pack 2.5 units of work per real

@@ -2,7 +2,7 @@
 
 import pytest
 
-from tfspeed.tuning import autotune
+from tfspeed.probes import autotune
 
 
 def test_steps_per_execution_is_the_smallest_power_of_two_with_a_small_overhead():

@@ -380,7 +380,7 @@ def test_the_run_of_your_flags_takes_the_precision_the_tune_measured(tmp_path):
     run of your flags takes what the driver's probe would choose from those figures (its
     rule and margin) instead of probing again (two more models built and traced: 27 s of
     the text job's 90 s budget), and cannot measure other figures than the tune did."""
-    from tfspeed.tuning import autotune
+    from tfspeed.probes import autotune
 
     config, _ = _text_config(tmp_path, BUDGET)
     assert config.runtime.precision == "auto"

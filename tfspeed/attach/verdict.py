@@ -14,7 +14,7 @@ import os
 import statistics
 import time
 
-from tfspeed.diagnosis.profiling import INPUT_BOUND_HIGH_PCT, INPUT_BOUND_MODERATE_PCT
+from tfspeed.probes.profiling import INPUT_BOUND_HIGH_PCT, INPUT_BOUND_MODERATE_PCT
 
 SECONDS = 4.0  # each timing's budget, after its warm-up
 WARMUP_STEPS = 3

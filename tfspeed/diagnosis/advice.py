@@ -14,7 +14,7 @@ import math
 
 from tfspeed.data import images as images_lib
 from tfspeed.diagnosis import precision
-from tfspeed.diagnosis.profiling import INPUT_BOUND_HIGH_PCT, INPUT_BOUND_MODERATE_PCT
+from tfspeed.probes.profiling import INPUT_BOUND_HIGH_PCT, INPUT_BOUND_MODERATE_PCT
 
 INPUT_BOUND_RATIO = 0.9  # a pipeline slower than this share of (b) cannot feed the model
 MEMORY_BOUND_SHARE = 0.85  # peak memory above this share of the machine's is the limit

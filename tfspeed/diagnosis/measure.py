@@ -306,7 +306,7 @@ def _profile(engine, iterator, steps: int, out_dir: str) -> dict:
     """(d): a profile of ``steps`` steps, each in its own call, read with xprof."""
     import keras
 
-    from tfspeed.diagnosis import profiling
+    from tfspeed.probes import profiling
 
     if keras.backend.backend() == "jax":
         # The capture and its step analysis are TensorFlow's profiler and xprof's reading

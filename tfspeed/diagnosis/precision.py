@@ -64,8 +64,8 @@ def measure(job, held) -> dict | None:
     """
     import keras
 
+    from tfspeed.probes import autotune
     from tfspeed.training import job as job_lib
-    from tfspeed.tuning import autotune
 
     plan = job.runtime.plan
     found = probed(plan.reasons.get("precision", ""))
@@ -108,7 +108,7 @@ def advice(plan, measured: dict | None, step) -> list[dict]:
       measured: ``measure``'s figures, or None (then the probe's reason, if any).
       step: ``(advice, score, gain) -> dict``, the advice's entry.
     """
-    from tfspeed.tuning import autotune
+    from tfspeed.probes import autotune
 
     measured = measured or probed(plan.reasons.get("precision", ""))
     if not measured or plan.precision not in measured["ms_per_step"]:

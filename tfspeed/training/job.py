@@ -271,8 +271,8 @@ def measure_batching(config: Config, rt, schema, batching, compiles: dict | None
     import keras
 
     from tfspeed.data import text as text_lib
+    from tfspeed.probes import autotune
     from tfspeed.training import models
-    from tfspeed.tuning import autotune
 
     data, train = config.data, config.train
     costs = batching.costs

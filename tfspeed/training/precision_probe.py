@@ -1,6 +1,6 @@
 """The precision probe: where bfloat16 is native on a CPU (or ``--precision=measure``), a
 few steps of the job's own model in float32 and in the mixed policy decide which it trains
-in (``tfspeed.tuning.autotune.choose_precision``). The driver (``training.job``) and
+in (``tfspeed.probes.autotune.choose_precision``). The driver (``training.job``) and
 ``tfspeed.fit`` both probe through here; the driver records the choice for a rerun
 (``training.decisions``)."""
 
@@ -37,7 +37,7 @@ def measure_precision(config: Config, rt, engine_for, source, run_steps: int,
     """
     import keras
 
-    from tfspeed.tuning import autotune
+    from tfspeed.probes import autotune
 
     candidate = rt.plan.precision
     engines = {}

@@ -93,7 +93,7 @@ def _train_and_report(job: Job) -> dict:
     for line in report.summary_lines(out):
         print(line)
     if config.train.profile_steps:
-        from tfspeed.diagnosis import profiling
+        from tfspeed.probes import profiling
 
         for line in profiling.summary_lines(result.profile):
             print(line)

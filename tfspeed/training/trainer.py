@@ -26,8 +26,8 @@ from absl import logging
 
 from tfspeed.config import TrainConfig, is_auto
 from tfspeed.data import ingraph
-from tfspeed.diagnosis import profiling
 from tfspeed.errors import UsageError
+from tfspeed.probes import autotune, profiling
 from tfspeed.runtime import Runtime
 from tfspeed.training import decisions as decisions_lib
 from tfspeed.training import meters
@@ -39,7 +39,6 @@ from tfspeed.training.optimizers import (
     peak_learning_rate,
 )
 from tfspeed.training.stops import Stopped, StopRequests  # noqa: F401 -- Stopped re-exported
-from tfspeed.tuning import autotune
 from tfspeed.util import locks
 
 

@@ -1,2 +1,2 @@
-"""Measuring to choose: the in-run autotuners (steps per execution, precision) and
-`python -m tfspeed.tune`'s measure, predict, verify and output."""
+"""Measuring to choose: `python -m tfspeed.tune`'s measure, predict, verify and output (the
+in-run autotuners they share with training are in ``tfspeed.probes``)."""

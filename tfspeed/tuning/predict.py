@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 
-from tfspeed.tuning import autotune
+from tfspeed.probes import autotune
 from tfspeed.tuning.measurements import InputKey, Measurements, StepKey, StepTiming
 
 

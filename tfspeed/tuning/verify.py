@@ -13,7 +13,7 @@ import time
 from absl import logging
 
 from tfspeed.config import is_auto
-from tfspeed.tuning import autotune
+from tfspeed.probes import autotune
 from tfspeed.tuning.measurements import Measurements
 from tfspeed.tuning.predict import Candidate, examples_per_batch, predict, spe_choices
 
