@@ -10,14 +10,14 @@
   pool.py       many shards at once: this process and forked or spawned workers
   plan.py       the conversion's state on disk (the plan), what makes it resumable
   storage.py    how images are stored (--image_format=auto measures it)
-  source_files.py  what source files look like: keeps --output apart from the source
   example.py    tf.train.Example records without TensorFlow
   tokenizer.py  text sources' tokenisers: a byte-level BPE trained here, or the user's file
   sources/      the source kinds (imagefolder, csv, npz, tfds, digits; textfolder, jsonl,
                 pystdlib, pydocstrings) and image encoding
 
-The format they write (``tfspeed.data.schema``, ``tfspeed.data.integrity``) is shared with the
-read side in ``tfspeed.data``.
+The format they write (``tfspeed.data.schema``, ``tfspeed.data.integrity``) and what source
+files look like (``tfspeed.data.source_files``: keeps ``--output`` apart from the source) are
+shared with the read side in ``tfspeed.data``.
 """
 
 from __future__ import annotations

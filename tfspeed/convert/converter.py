@@ -21,9 +21,10 @@ from collections.abc import Callable
 from absl import logging
 
 from tfspeed.convert import plan as plan_lib
-from tfspeed.convert import runners, source_files, sources, writer
+from tfspeed.convert import runners, sources, writer
 from tfspeed.convert import storage as storage_lib
 from tfspeed.convert.sources import lengths
+from tfspeed.data import source_files
 from tfspeed.data.schema import Schema, Split, names_of
 from tfspeed.errors import UsageError
 from tfspeed.util import locks, system

@@ -4,7 +4,8 @@
     ds = tfspeed.data.build("data/digits", "train", batch_size=128, training=True)
 
 The converter that writes the shards is ``tfspeed.convert``; the format both share is
-``tfspeed.data.schema`` (and ``tfspeed.data.integrity``, the TFRecord framing).
+``tfspeed.data.schema`` (and ``tfspeed.data.integrity``, the TFRecord framing;
+``tfspeed.data.source_files``, what a folder of source files looks like).
 """
 
 from __future__ import annotations

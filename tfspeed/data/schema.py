@@ -283,8 +283,8 @@ def read(data_dir: str) -> Schema:
             f"`python scripts/to_tfrecord.py --source=KIND:PATH --output={data_dir}`"
         )
     if not os.path.exists(path):
-        # Only on this error path: the write side knows what source files look like.
-        from tfspeed.convert import source_files
+        # Only on this error path: what source files look like (shared with the converter).
+        from tfspeed.data import source_files
 
         found = source_files.find(data_dir)
         if found:

@@ -10,7 +10,6 @@ from collections.abc import Iterable, Iterator
 
 import numpy as np
 
-from tfspeed.convert.source_files import IMAGE_EXTENSIONS
 from tfspeed.convert.sources.arrays import array_source
 from tfspeed.convert.sources.base import (
     IMAGE,
@@ -25,6 +24,7 @@ from tfspeed.convert.sources.base import (
     train_validation,
 )
 from tfspeed.convert.sources.encoding import ImageStorage, image_or_skip
+from tfspeed.data.source_files import IMAGE_EXTENSIONS
 from tfspeed.errors import UsageError
 
 _SPLIT_DIRS = {"train": "train", "val": "validation", "valid": "validation", "test": "test"}
