@@ -131,3 +131,14 @@ def test_no_module_is_over_the_size_limit():
     lines = {name: len(path.read_text().splitlines()) for name, path in _modules().items()}
     over = {name: n for name, n in sorted(lines.items()) if n > MAX_MODULE_LINES}
     assert not over, f"modules over {MAX_MODULE_LINES} lines (split along a seam): {over}"
+
+
+def test_the_cost_model_and_probes_import_no_tensorflow():
+    """data.text, tune's output and diagnose's advice predict with them before (or without)
+    TensorFlow starting."""
+    code = ("import sys; import tfspeed.probes.costs, tfspeed.probes.autotune; "
+            "print('tensorflow' in sys.modules, 'keras' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["False", "False"]

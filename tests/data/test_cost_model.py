@@ -1,6 +1,6 @@
 """``--batching=auto``'s cost model against the measured rates of the sequences records.
 
-auto picks bucket or pack from predicted work per real token (``text.predicted_costs``):
+auto picks bucket or pack from predicted work per real token (``costs.predicted_costs``):
 attention over each row's width (the model's K), padding, and XLA's faster steps where a
 mode compiles. ``benchmarks/sequences.py`` times bucket and pack on the same model and three
 real corpora. Here the prediction, recomputed by today's code from what each record holds
@@ -10,7 +10,7 @@ must be within ``TOLERANCE`` of 1, and where every record measured a clear gap t
 ranks the modes the same way. One record alone is not enough: pack's rate on short texts
 swung by 1.5x between two quiet runs. Changing the cost model, the attention formula or the
 XLA gains away from measurement fails this; so does committing records the model does not
-fit (refit ``text.XLA_GAIN`` and ``XLA_OVERHEAD_TOKENS`` then). No timing is taken here.
+fit (refit ``costs.XLA_GAIN`` and ``XLA_OVERHEAD_TOKENS`` then). No timing is taken here.
 """
 
 import glob
@@ -20,7 +20,7 @@ import statistics
 
 import pytest
 
-from tfspeed.data import text
+from tfspeed.probes import costs
 
 RESULTS = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "results")
 TOLERANCE = 0.25  # predicted/measured: the spread of rounds on a shared machine
@@ -56,12 +56,12 @@ def steady_cost(batching: dict, mode: str, attention_length: float, xla: bool,
     """A mode's predicted work per real token without compiles (the record's rates leave the
     first step out), recomputed from the record's batching figures."""
     if mode == "pack":
-        cost = text.row_cost(batching["max_length"], attention_length,
+        cost = costs.row_cost(batching["max_length"], attention_length,
                              batching["expected_padding"]["pack"])
     else:
         cost = batching["costs"]["bucket"]  # uncompiled in the record (checked below)
     tokens = batching["tokens_per_batch"] / batching["replicas"]
-    return cost * (text.compiled_factor(1, 0.0, tokens, task) if xla else 1.0)
+    return cost * (costs.compiled_factor(1, 0.0, tokens, task) if xla else 1.0)
 
 
 def ratios(record: dict, name: str) -> tuple[float, float]:

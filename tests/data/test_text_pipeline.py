@@ -12,9 +12,10 @@ import tensorflow as tf
 
 import tfspeed.data
 from tests.conftest import REPO, token_records
-from tfspeed.config import DataConfig
+from tfspeed.config import BATCHING_MODES, DataConfig
 from tfspeed.data import pipeline, sequences, text
 from tfspeed.data import schema as schema_lib
+from tfspeed.probes import costs
 
 MAX_LENGTH = 256
 
@@ -177,9 +178,9 @@ def test_a_compiled_mode_pays_its_compiles_and_runs_its_steps_faster(text_dir):
                                 compiled=("pack",), run_steps=steps) for steps in (40, 4000))
     for run, steps in ((short, 40), (long, 4000)):
         assert run.costs["bucket"] == plain.costs["bucket"]
-        gain = text.xla_gain(run.tokens_per_batch, schema.task)
+        gain = costs.xla_gain(run.tokens_per_batch, schema.task)
         assert run.costs["pack"] == pytest.approx(
-            plain.costs["pack"] * (1 + text.COMPILE_BATCHES / steps) / gain, rel=1e-3)
+            plain.costs["pack"] * (1 + costs.COMPILE_BATCHES / steps) / gain, rel=1e-3)
         assert run.mode == min(("bucket", "pack"), key=run.costs.get)
     assert long.costs["pack"] < plain.costs["pack"] < short.costs["pack"]
 
@@ -271,7 +272,7 @@ def test_buckets_cost_nothing_where_no_shape_compiles(corpus, text_dir, short_te
     config = DataConfig(data_dir=data_dir, batch_size=8, batching="bucket")
     free = text.resolve(config, schema, True, compiled=("pack",))  # TF on a CPU, --xla=auto
     unknown = text.resolve(config, schema, True)
-    compiled = text.resolve(config, schema, True, compiled=text.MODES, run_steps=1000)
+    compiled = text.resolve(config, schema, True, compiled=BATCHING_MODES, run_steps=1000)
     assert len(free.boundaries) <= text.FREE_BUCKETS
     assert all(b % text.FREE_MULTIPLE == 0 for b in free.boundaries[:-1])
     assert len(unknown.boundaries) <= text.MAX_BUCKETS >= len(compiled.boundaries)

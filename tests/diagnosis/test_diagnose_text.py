@@ -141,7 +141,7 @@ def test_precision_advice_never_goes_against_its_measurement(short_texts, tmp_pa
     step in the mixed policy this hardware offers itself. Either way a policy is advised
     only where it measured faster, and the gain cites the measured ratio."""
     from tfspeed.diagnosis import precision
-    from tfspeed.probes import autotune
+    from tfspeed.probes.costs import AUTO_MARGIN
     from tfspeed.runtime import detect_hardware, resolve
 
     config = Config(
@@ -161,7 +161,7 @@ def test_precision_advice_never_goes_against_its_measurement(short_texts, tmp_pa
     advised = [s for s in result["next_steps"] if "--precision=" in s["advice"]]
     for step in advised:
         policy = step["advice"].split("--precision=")[1].split(":")[0]
-        assert ms[policy] <= (1 - autotune.BF16_GAIN) * ms[now], (ms, step)
+        assert ms[policy] <= (1 - AUTO_MARGIN) * ms[now], (ms, step)
         assert step["expected_gain"] == f"{ms[now] / ms[policy]:.2f}x measured"
-    faster = [p for p, t in ms.items() if p != now and t <= (1 - autotune.BF16_GAIN) * ms[now]]
+    faster = [p for p, t in ms.items() if p != now and t <= (1 - AUTO_MARGIN) * ms[now]]
     assert len(advised) == len(faster), (ms, advised)

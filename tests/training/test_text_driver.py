@@ -66,13 +66,14 @@ def test_auto_takes_the_mode_of_least_predicted_compute(corpora, tmp_path):
 
 
 def test_auto_times_bucket_and_pack_where_the_run_is_long_enough(short_texts, tmp_path):
-    """Where neither mode is predicted clearly cheaper (within autotune.BATCHING_MARGIN) and
+    """Where neither mode is predicted clearly cheaper (within probes.costs.BATCHING_MARGIN) and
     a long run has room for it, auto trains fresh copies of the job's model on the same
     number of each mode's real batches and takes the one with more real tokens/s; the
     batching is then that mode's own, and report.json's ``measured`` says what was timed."""
     from tfspeed import runtime
     from tfspeed.data import schema as schema_lib
     from tfspeed.probes import autotune
+    from tfspeed.probes.costs import BATCHING_MARGIN
     from tfspeed.training import job
 
     config = _config(short_texts, tmp_path, steps=100_000)
@@ -83,7 +84,7 @@ def test_auto_times_bucket_and_pack_where_the_run_is_long_enough(short_texts, tm
     schema = schema_lib.read(short_texts)
     predicted = job.resolve_batching(config, rt, schema)
     costs = predicted.costs
-    assert max(costs["bucket"], costs["pack"]) < autotune.BATCHING_MARGIN * min(
+    assert max(costs["bucket"], costs["pack"]) < BATCHING_MARGIN * min(
         costs["bucket"], costs["pack"]), costs  # a close call on this split
     chosen = job.measure_batching(config, rt, schema, predicted)
     rates = {m: f["real_tokens_per_sec"] for m, f in chosen.measured.items()}

@@ -36,8 +36,10 @@ DATA_SERVICE_SHARDING = ("off", "dynamic", "file")
 AUGMENTATIONS = ("flip", "crop", "random_resized_crop")
 # The built-in models' names; tfspeed.training.models holds their builders.
 MODELS = ("mlp", "cnn", "resnet50", "mobilenetv2", "transformer")
-# How variable-length token records become batches (tfspeed.data.sequences).
-BATCHINGS = ("auto", "pad", "bucket", "pack")
+# How variable-length token records become batches (tfspeed.data.sequences), in the order
+# they are printed in; --batching takes auto too (tfspeed.probes.costs predicts the choice).
+BATCHING_MODES = ("pad", "bucket", "pack")
+BATCHINGS = (AUTO, *BATCHING_MODES)
 # Text longer than a row can hold (tfspeed.data.long_texts applies it). The converter and the
 # driver share these defaults: a text is split into pieces, each its own sequence, and no
 # sequence is longer than MAX_LENGTH_CAP tokens unless --max_length asks for more (one

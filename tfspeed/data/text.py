@@ -4,7 +4,8 @@ The text branch of ``tfspeed.data.pipeline``: records are parsed, turned into pe
 examples (``sequences.to_examples``: the one cast to int32), cached, shuffled, repeated and
 then batched by one of ``sequences``' modes, all to the batch contract documented there.
 ``resolve`` decides the mode (``--batching``), the row length (``--max_length``), the token
-budget (``--tokens_per_batch``) and the buckets from the split's length histogram alone, so
+budget (``--tokens_per_batch``) and the buckets from the split's length histogram alone (each
+mode's cost predicted by ``tfspeed.probes.costs``), so
 the job, the model (its position table and segment count) and the report agree with the
 pipeline without building it.
 """
@@ -18,6 +19,7 @@ import numpy as np
 from tfspeed.config import MAX_LENGTH_CAP
 from tfspeed.data import long_texts, sequences
 from tfspeed.errors import UsageError
+from tfspeed.probes import costs as costs_lib
 
 INPUT_NAMES = ("tokens", "segment_ids", "positions")
 MAX_BUCKETS = 16
@@ -36,28 +38,6 @@ FREE_MULTIPLE = 4
 # at 4.5% padding instead of 1.6%. A bucket_by_sequence_length of 6 buckets of 32: 97%.
 MIN_BUCKET_BATCHES = 2
 PACK_WINDOW = 1024  # sequences first-fit together (sequences.pack)
-# auto takes the cheaper mode only when it is predicted this much cheaper than padding each
-# batch to its longest: pad has one shape fewer to trace and no grouping buffer.
-PAD_MARGIN = 0.05
-# Where each batch shape is compiled (XLA: JAX always, TensorFlow's packed rows): one compile
-# costs about this many of the run's batches (the transformer on 2 cores: 2-4 s to compile
-# against 0.1-0.3 s a step), so a short run takes fewer buckets.
-COMPILE_BATCHES = 20.0
-# ... and once compiled, a step runs faster, the more so the fewer tokens a replica's batch
-# holds: XLA fuses the step's many small ops, whose fixed cost small batches feel most. The
-# gain is ``XLA_GAIN[task] * (1 + XLA_OVERHEAD_TOKENS / tokens)``: fitted on the steady rates
-# of packed rows with XLA against bucketed rows without it, given the work ``predicted_costs``
-# puts in each (the transformer of benchmarks/sequences.py, 2 cores, the records of a quiet
-# machine from sequences-2026-11-27-auto.json on). The medians the records imply: a
-# classifier 1.13 at 8,192 tokens a batch (pystdlib; 1.01-1.24) and 1.47 at 1,285-1,536
-# (pydocs; 1.15-1.72), a language model 1.74 at 1,536 (pydoc_lm; 1.59-1.79): an lm projects
-# and scores every position over the whole vocabulary, more for XLA to fuse than a
-# classifier's one pooled output. It decides only between a compiled mode and one that is
-# not (TensorFlow on a CPU compiles packed rows alone); ``tests/data/test_cost_model.py``
-# holds it against those records.
-XLA_GAIN = {"classification": 1.05, "lm": 1.25}
-XLA_OVERHEAD_TOKENS = 600.0
-MODES = ("pad", "bucket", "pack")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,7 +163,7 @@ def expected_padding(counts: np.ndarray, batch_size: int, shape_cost: float = 0.
 
     Args:
       shape_cost: where every bucket's shape is compiled, what one compile costs as a share
-        of the run (``COMPILE_BATCHES`` over its batches); 0: not known.
+        of the run (``costs.COMPILE_BATCHES`` over its batches); 0: not known.
       free_shapes: no bucket's shape is compiled: up to ``FREE_BUCKETS`` buckets on
         multiples of ``FREE_MULTIPLE``, the least padding.
       tokens_per_batch: a bucketed batch's token budget: every bucket then holds at least
@@ -245,69 +225,6 @@ def pack_padding(counts: np.ndarray, max_length: int, max_segments: int,
     return round(1.0 - float(sample.sum()) / (rows * max_length), 4)
 
 
-def predicted_costs(counts: np.ndarray, padding: dict, max_length: int,
-                    attention_length: float | None, compiled=(),
-                    shape_cost: float = 0.0, batch_tokens: float = float("inf"),
-                    task: str = "classification") -> dict[str, float]:
-    """Compute per real token of each mode, in units of the per-token work: a row of width
-    w costs each of its tokens ``1 + w / K`` (K = ``attention_length``: a token attends to
-    all w positions of its row, the masked ones too), and padding costs as real tokens.
-    A mode in ``compiled`` pays a compile per batch shape, each ``shape_cost`` of the run:
-    one for packed rows, one per bucket, one per width for padded batches; its steps then
-    cost ``1 / xla_gain(batch_tokens, task)`` of an uncompiled one's (``batch_tokens``: a
-    replica's tokens per batch)."""
-    k = attention_length or float("inf")
-    real = float(np.dot(np.arange(len(counts)), counts)) or 1.0
-
-    def per_token(width):
-        return 1.0 + width / k
-
-    lower, bucketed = 0, 0.0
-    for boundary in padding["boundaries"]:
-        held = counts[lower + 1: boundary + 1].sum()
-        bucketed += held * boundary * per_token(boundary)
-        lower = boundary
-    shapes = {"pad": float(np.count_nonzero(counts)), "bucket": len(padding["boundaries"]),
-              "pack": 1}
-    compile_ = {m: compiled_factor(shapes[m], shape_cost, batch_tokens, task)
-                if m in compiled else 1.0 for m in shapes}
-    return {"pad": round(row_cost(padding["pad_width"], k, padding["pad"]) * compile_["pad"], 4),
-            "bucket": round(bucketed / real * compile_["bucket"], 4),
-            "pack": round(row_cost(max_length, k, padding["pack"]) * compile_["pack"], 4)}
-
-
-def row_cost(width: int, attention_length: float, padding: float) -> float:
-    """The work per real token of rows of ``width`` holding ``padding`` (``predicted_costs``'
-    units): every position pays ``1 + width / K``."""
-    return (1.0 + width / attention_length) / max(1 - padding, 1e-3)
-
-
-def xla_gain(batch_tokens: float, task: str = "classification") -> float:
-    """How much faster a compiled step of ``task``'s model runs, for batches of
-    ``batch_tokens`` per replica."""
-    gain = XLA_GAIN.get(task, XLA_GAIN["classification"])
-    return gain * (1 + XLA_OVERHEAD_TOKENS / max(batch_tokens, 1.0))
-
-
-def compiled_factor(shapes: float, shape_cost: float, batch_tokens: float,
-                    task: str = "classification") -> float:
-    """What compiling every batch shape does to a mode's cost: ``shapes`` compiles of
-    ``shape_cost`` of the run each, then steps ``xla_gain(batch_tokens, task)`` faster."""
-    return (1 + shapes * shape_cost) / xla_gain(batch_tokens, task)
-
-
-def choose(costs: dict[str, float], takes_segments: bool) -> tuple[str, str]:
-    """What ``--batching=auto`` picks from predicted costs, and why: the
-    cheapest of bucket and pack for a model that keeps packed sequences apart; for others
-    bucket when it saves at least ``PAD_MARGIN`` over padding each batch to its longest."""
-    figures = ", ".join(f"{m} {costs[m]:.2f}" for m in MODES if m in costs)
-    if takes_segments:
-        mode = min(("bucket", "pack"), key=lambda m: costs[m])
-    else:
-        mode = "bucket" if costs["bucket"] <= (1 - PAD_MARGIN) * costs["pad"] else "pad"
-    return mode, f"auto: {mode}, the least compute per real token ({figures})"
-
-
 def resolve(config, schema, takes_segments: bool = False, replicas: int = 1,
             attention_length: float | None = None, compiled=None, run_steps: int = 0,
             run_epochs: float = 0.0) -> Batching:
@@ -343,7 +260,7 @@ def resolve(config, schema, takes_segments: bool = False, replicas: int = 1,
     tokens = _tokens_per_batch(config, mean, t, replicas)
     per_bucket = bucket_size(config, schema, replicas)
     run_batches = run_steps or run_epochs * mean * counts.sum() / tokens
-    shape_cost = COMPILE_BATCHES / run_batches if run_batches and compiled else 0.0
+    shape_cost = costs_lib.COMPILE_BATCHES / run_batches if run_batches and compiled else 0.0
     free = compiled is not None and "bucket" not in compiled
     compiled = compiled or ()
     padding = expected_padding(counts, config.batch_size,
@@ -352,11 +269,11 @@ def resolve(config, schema, takes_segments: bool = False, replicas: int = 1,
     segments = max(1, t // 8)
     padding["pack"] = pack_padding(counts, t, segments)
     boundaries = _cover(padding["boundaries"], every, t, config.long)
-    costs = predicted_costs(counts, padding, t, attention_length, compiled, shape_cost,
-                            tokens / replicas, schema.task)
+    costs = costs_lib.predicted_costs(counts, padding, t, attention_length, compiled,
+                                      shape_cost, tokens / replicas, schema.task)
     mode, reason = config.batching, f"--batching={config.batching}"
     if mode == "auto":
-        mode, reason = choose(costs, takes_segments)
+        mode, reason = costs_lib.choose(costs, takes_segments)
     if (mode == "pad" or mode == "bucket" and per_bucket) and config.batch_size % replicas:
         raise UsageError(f"--batch_size={config.batch_size} does not split evenly over "
                          f"{replicas} replicas; use a multiple of {replicas}")

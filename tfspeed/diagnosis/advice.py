@@ -20,7 +20,6 @@ INPUT_BOUND_RATIO = 0.9  # a pipeline slower than this share of (b) cannot feed 
 MEMORY_BOUND_SHARE = 0.85  # peak memory above this share of the machine's is the limit
 CONTENTION_RATIO = 0.75  # together below this share of the slower alone: shared CPU
 SHARDS_FOR_INTERLEAVE = 16
-BATCHING_MIN_GAIN = 1.1  # another batching must promise this many x real tokens/s
 
 
 def decide(config, schema, plan, figures: dict) -> dict:
@@ -185,17 +184,17 @@ def batching_steps(config, figures: dict) -> list[dict]:
     row, masked positions included). Padding shows in a padding fraction; the attention of
     long packed rows does not ("0% padding" hides it), so each piece of advice names the
     waste it removes. Empty for batches without token figures."""
+    from tfspeed.probes import costs as costs_lib
     from tfspeed.training import models
 
     batching = figures.get("batching") or {}
     costs, mode = batching.get("costs"), batching.get("mode")
     if not costs or mode not in costs:
         return []
-    modes = ["pad", "bucket"] + (["pack"] if models.takes_segments(config.model.name) else [])
     steps = []
-    for other in modes:
+    for other in costs_lib.modes(models.takes_segments(config.model.name)):
         gain = costs[mode] / max(costs[other], 1e-9)
-        if other == mode or gain < BATCHING_MIN_GAIN:
+        if other == mode or gain < costs_lib.ADVICE_GAIN:
             continue
         steps.append(_step(f"{_waste(batching, figures)}: --batching={other} "
                            f"({_instead(other, batching)})", gain,

@@ -100,7 +100,7 @@ def _source(job, held):
 
 
 def advice(plan, measured: dict | None, step) -> list[dict]:
-    """A policy measured clearly faster than the plan's (``autotune.BF16_GAIN``, the
+    """A policy measured clearly faster than the plan's (``costs.AUTO_MARGIN``, the
     probe's own margin), with the measured ratio; nothing where none is.
 
     Args:
@@ -108,7 +108,7 @@ def advice(plan, measured: dict | None, step) -> list[dict]:
       measured: ``measure``'s figures, or None (then the probe's reason, if any).
       step: ``(advice, score, gain) -> dict``, the advice's entry.
     """
-    from tfspeed.probes import autotune
+    from tfspeed.probes.costs import AUTO_MARGIN
 
     measured = measured or probed(plan.reasons.get("precision", ""))
     if not measured or plan.precision not in measured["ms_per_step"]:
@@ -117,7 +117,7 @@ def advice(plan, measured: dict | None, step) -> list[dict]:
     now = ms[plan.precision]
     steps = []
     for policy, t in ms.items():
-        if policy == plan.precision or t > (1 - autotune.BF16_GAIN) * now:
+        if policy == plan.precision or t > (1 - AUTO_MARGIN) * now:
             continue  # no faster within the noise the probe allows: nothing to advise
         ratio = now / max(t, 1e-9)
         steps.append(step(

@@ -7,7 +7,7 @@
   over a fitted cost model picks the same N in repeated runs, where "the fastest of a few
   noisy sweeps" did not.
 * token batching: ``--batching=auto`` predicts bucket's and pack's work per real token
-  (``tfspeed.data.text``); where neither is predicted clearly cheaper and the run is long
+  (``tfspeed.probes.costs``); where neither is predicted clearly cheaper and the run is long
   enough, the same number of real batches of each, from the job's own pipeline, are timed
   on fresh copies of the job's model, and the faster in real tokens per second is taken.
 * precision: where the hardware offers bfloat16 on a CPU (the first filter, in
@@ -24,13 +24,11 @@ import time
 
 import numpy as np
 
+from tfspeed.probes.costs import AUTO_MARGIN
+
 OVERHEAD = 0.02  # the share of a call that its fixed overhead may take
 PROBE_SHARE = 0.05  # of a run, at most, spent probing: its steps (the batching probe: its real tokens)
 PROBE_N = 8
-BF16_GAIN = 0.05  # bfloat16 (the hardware rule's choice) is kept only when this much faster
-# --batching=auto times bucket and pack only where neither is predicted this much cheaper: the
-# cost model's predicted/measured ratio has ranged 0.9-1.5 over the benchmark's records.
-BATCHING_MARGIN = 1.5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,7 +154,7 @@ def probe_rounds(rounds: int, steps: int, engines: int, run_steps: int) -> int:
 def choose_precision(hardware_choice: str, step_seconds: dict[str, float],
                      requested: str = "auto") -> tuple[str, str]:
     """The policy to train in, from measured step times, and why: the mixed policy has to
-    earn its rounding, so it is taken only when ``BF16_GAIN`` faster than float32 (a close
+    earn its rounding, so it is taken only when ``AUTO_MARGIN`` faster than float32 (a close
     race on a shared machine goes to the exact policy).
 
     Args:
@@ -167,11 +165,11 @@ def choose_precision(hardware_choice: str, step_seconds: dict[str, float],
     """
     f32, mixed = step_seconds["float32"], step_seconds[hardware_choice]
     figures = f"{1000 * f32:.2f} ms/step in float32, {1000 * mixed:.2f} in {hardware_choice}"
-    if mixed <= (1 - BF16_GAIN) * f32:
+    if mixed <= (1 - AUTO_MARGIN) * f32:
         return hardware_choice, (f"{requested}: measured {figures} for this model: "
-                                 f"{hardware_choice} is at least {BF16_GAIN:.0%} faster")
+                                 f"{hardware_choice} is at least {AUTO_MARGIN:.0%} faster")
     return "float32", (f"{requested}: measured {figures} for this model: "
-                       f"{hardware_choice.removeprefix('mixed_')} is not {BF16_GAIN:.0%} "
+                       f"{hardware_choice.removeprefix('mixed_')} is not {AUTO_MARGIN:.0%} "
                        "faster here, so float32 (exact) is kept")
 
 

@@ -18,7 +18,7 @@ import sys
 
 from absl import logging
 
-from tfspeed.config import Config
+from tfspeed.config import BATCHING_MODES, Config
 from tfspeed.errors import UsageError
 from tfspeed.training import decisions
 
@@ -262,7 +262,7 @@ def _decided_batching(config: Config, rt, schema, decided, compiles: dict):
 
 def measure_batching(config: Config, rt, schema, batching, compiles: dict | None = None):
     """``--batching=auto`` by measurement where the prediction is not clear: when neither
-    bucket nor pack is predicted ``autotune.BATCHING_MARGIN`` cheaper and both passes of
+    bucket nor pack is predicted ``costs.BATCHING_MARGIN`` cheaper and both passes of
     both modes fit in the probe's share of the run, each mode's own batches (the same
     number, from the job's pipeline) train a fresh copy of the job's model
     (``autotune.time_batchings``), and the faster in real tokens/s is taken. Otherwise
@@ -272,6 +272,7 @@ def measure_batching(config: Config, rt, schema, batching, compiles: dict | None
 
     from tfspeed.data import text as text_lib
     from tfspeed.probes import autotune
+    from tfspeed.probes.costs import BATCHING_MARGIN
     from tfspeed.training import models
 
     data, train = config.data, config.train
@@ -279,7 +280,7 @@ def measure_batching(config: Config, rt, schema, batching, compiles: dict | None
     if data.batching != "auto" or not models.takes_segments(config.model.name):
         return batching
     ratio = max(costs["bucket"], costs["pack"]) / max(min(costs["bucket"], costs["pack"]), 1e-9)
-    if ratio >= autotune.BATCHING_MARGIN:
+    if ratio >= BATCHING_MARGIN:
         return dataclasses.replace(batching, reason=(
             f"{batching.reason}; not timed: predicted {ratio:.2f}x apart, beyond the cost "
             f"model's error"))
@@ -337,7 +338,7 @@ def _compiled_modes(config: Config, rt) -> tuple[str, ...]:
     """The batchings whose every batch shape compiles on this runtime: all of them on JAX
     or under XLA; on TensorFlow with ``--xla=auto`` packed rows (``runtime.for_batching``)."""
     if rt.backend == "jax" or rt.plan.xla:
-        return ("pad", "bucket", "pack")
+        return BATCHING_MODES
     return ("pack",) if config.runtime.xla == "auto" else ()
 
 def build_engine(config: Config, rt, model, goals, preprocess=None,

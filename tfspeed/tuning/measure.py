@@ -166,12 +166,12 @@ def _measure_text_input(job, budget: Budget, held) -> _InputFindings:
 
     from tfspeed.data import long_texts, pipeline
     from tfspeed.data import text as text_lib
+    from tfspeed.probes import costs
     from tfspeed.training import models
 
     data, resolved = job.train_data_config, job.batching
     split = data.train_split
-    modes = ["pad", "bucket"] + (["pack"] if models.takes_segments(job.config.model.name)
-                                 else [])
+    modes = list(costs.modes(models.takes_segments(job.config.model.name)))
     modes.sort(key=lambda mode: mode != resolved.mode)
     mean = resolved.mean_length
     pieces = long_texts.piece_counts(text_lib.length_counts(job.schema, split),
@@ -207,8 +207,8 @@ def _measure_text_input(job, budget: Budget, held) -> _InputFindings:
             "expected_padding": resolved.expected_padding,
             # The work alone: the job's ``costs`` also fold in XLA's gain and compiles where
             # a mode compiles, which the steps timed at each XLA setting measure here.
-            "costs": text_lib.predicted_costs(pieces, resolved.expected_padding,
-                                              resolved.max_length, resolved.attention_length),
+            "costs": costs.predicted_costs(pieces, resolved.expected_padding,
+                                           resolved.max_length, resolved.attention_length),
             "attention_length": resolved.attention_length,
             "job": {"batching": resolved.mode, "tokens_per_batch": resolved.tokens_per_batch},
             "bucket_size": per_bucket}

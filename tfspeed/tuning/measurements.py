@@ -109,7 +109,7 @@ class Measurements:
     # ``"batch_size"``, ``"tokens_per_batch"`` (the choices, the job's own first),
     # ``"batching": {mode: {"expected_padding", "input_cpu_per_token"}}`` (the modes
     # measured; pack only where the model takes segment ids), ``"expected_padding"``,
-    # ``"costs"`` (``text.predicted_costs`` of the job's resolved figures, uncompiled:
+    # ``"costs"`` (``probes.costs.predicted_costs`` of the job's resolved figures, uncompiled:
     # predicted work per real token of each mode, padding and attention counted),
     # ``"attention_length"`` (the model's K, or None),
     # ``"job": {"batching", "tokens_per_batch"}`` (what the job's own flags resolve to)}.

@@ -9,14 +9,12 @@ import dataclasses
 import json
 import os
 
+from tfspeed.config import BATCHING_MODES
 from tfspeed.tuning.measurements import COLD, InputKey, InputTiming, Measurements
 from tfspeed.tuning.predict import Candidate, candidates, predict
 from tfspeed.tuning.verify import Budget, given_knobs
 from tfspeed.util import charts
 
-# ``tfspeed.data.text.MODES``, the order they are printed in (that module imports TensorFlow,
-# which ``--help`` does not start)
-_MODES = ("pad", "bucket", "pack")
 _PATH_FLAGS = ("flagfile", "data_dir", "model_dir")
 _TUNE_FLAGS = ("--budget_s", "--tune_dir", "--verify", "--measure_to")  # not the job's
 
@@ -255,7 +253,7 @@ def _token_costs(m: Measurements) -> str:
     return "; ".join(
         f"{mode}: {100 * measured[mode]['expected_padding']:.0f}% padding" +
         (f", {costs[mode]:.2f}x the work per real token" if mode in costs else "")
-        for mode in _MODES if mode in measured) + (
+        for mode in BATCHING_MODES if mode in measured) + (
         " (padding and attention pairs counted)" if m.text.get("attention_length") else "")
 
 

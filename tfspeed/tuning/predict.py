@@ -11,6 +11,7 @@ import dataclasses
 import itertools
 
 from tfspeed.probes import autotune
+from tfspeed.probes.costs import TOKEN_BUDGET_MARGIN
 from tfspeed.tuning.measurements import InputKey, Measurements, StepKey, StepTiming
 
 
@@ -51,7 +52,6 @@ class Candidate:
 
 
 _TEXT_KNOBS = ("batching", "tokens_per_batch")
-TOKEN_BUDGET_MARGIN = 0.03  # a token budget other than the job's must be predicted this faster
 
 
 def predict(c: Candidate, m: Measurements) -> dict:
@@ -81,7 +81,7 @@ def predict(c: Candidate, m: Measurements) -> dict:
 
 def _predict_tokens(c: Candidate, m: Measurements) -> dict:
     """``predict`` for token batches. The step's time scales with the work a batch holds,
-    in ``text.predicted_costs``' units: each position of a row of w costs ``1 + w / K``
+    in ``costs.predicted_costs``' units: each position of a row of w costs ``1 + w / K``
     (attention over every position of the row, padding's and other packed sequences' too),
     so a batch's work is its real tokens times its mode's cost per real token, against the
     work of the batch the step was timed on (``held_units``). The input's time scales with
