@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfspeed.data import sequences
+from tfspeed.data import buckets, sequences
 
 BOS, EOS = 1, 2  # lm records hold them; 0 is the pad id
 
@@ -58,10 +58,10 @@ def chunks(text, size):
 
 
 def counts_of(texts):
-    return sequences.length_counts_of([len(t) for t in texts])
+    return buckets.length_counts_of([len(t) for t in texts])
 
 
-BOUNDARIES, EXPECTED = sequences.choose_boundaries(counts_of(TEXTS), 256, 24)
+BOUNDARIES, EXPECTED = buckets.choose_boundaries(counts_of(TEXTS), 256, 24)
 
 
 def build(mode, ds, **kwargs):
@@ -118,7 +118,7 @@ def test_every_sequence_once_and_padding(mode):
     stats = sequences.TokenStats()
     longest = max(map(len, TEXTS))
     if mode == "bucket":  # the last bucket takes the longest text: nothing truncated
-        boundaries, _ = sequences.choose_boundaries(counts_of(TEXTS), longest, 24)
+        boundaries, _ = buckets.choose_boundaries(counts_of(TEXTS), longest, 24)
         ds = sequences.bucket(examples, boundaries, 4096, drop_remainder=False)
     else:
         ds = build(mode, examples, drop_remainder=False)
@@ -205,28 +205,28 @@ def _padded_size(lengths, boundaries):
 
 def test_choose_boundaries_is_optimal_and_predicts_padding():
     lengths = [min(len(t), 64) for t in TEXTS]
-    boundaries, fraction = sequences.choose_boundaries(sequences.length_counts_of(lengths), 64, 3)
+    boundaries, fraction = buckets.choose_boundaries(buckets.length_counts_of(lengths), 64, 3)
     assert boundaries[-1] == 64 and all(b % 8 == 0 for b in boundaries)
     best = min(_padded_size(lengths, [*c, 64])
                for c in itertools.combinations(range(8, 64, 8), 2))  # brute force
     assert _padded_size(lengths, boundaries) == best
     assert fraction == pytest.approx(1 - sum(lengths) / best)
     # Longer sequences count at the limit, as the long policy leaves them.
-    uncut = sequences.length_counts_of([len(t) for t in TEXTS])
-    assert sequences.choose_boundaries(uncut, 64, 3) == (boundaries, pytest.approx(fraction))
-    fractions = [sequences.choose_boundaries(uncut, 256, k)[1] for k in (1, 4, 8, 16)]
+    uncut = buckets.length_counts_of([len(t) for t in TEXTS])
+    assert buckets.choose_boundaries(uncut, 64, 3) == (boundaries, pytest.approx(fraction))
+    fractions = [buckets.choose_boundaries(uncut, 256, k)[1] for k in (1, 4, 8, 16)]
     assert fractions == sorted(fractions, reverse=True) and fractions[0] > 0.8
-    assert sequences.choose_boundaries(sequences.length_counts_of([3, 5, 12]), 256, 4)[0] == [
+    assert buckets.choose_boundaries(buckets.length_counts_of([3, 5, 12]), 256, 4)[0] == [
         8, 16]  # covers the longest
 
 
 def test_bucket_batch_sizes_and_measured_padding_matches_expected():
-    assert sequences.bucket_batch_sizes([8, 24, 256], 1000, 4) == [124, 40, 4]
-    assert sequences.bucket_batch_sizes([8, 24, 256], 1000) == [125, 41, 3]
+    assert buckets.bucket_batch_sizes([8, 24, 256], 1000, 4) == [124, 40, 4]
+    assert buckets.bucket_batch_sizes([8, 24, 256], 1000) == [125, 41, 3]
     # Texts a bucket: batch_size, fewer where that is over WIDE_BATCH budgets, never under
     # batch_size // WIDE_BATCH; no budget: batch_size everywhere.
-    assert sequences.bucket_batch_sizes([8, 128, 256, 512], 1000, 2, 32) == [32, 30, 14, 8]
-    assert sequences.bucket_batch_sizes([8, 512], 0, 2, 32) == [32, 32]
+    assert buckets.bucket_batch_sizes([8, 128, 256, 512], 1000, 2, 32) == [32, 30, 14, 8]
+    assert buckets.bucket_batch_sizes([8, 512], 0, 2, 32) == [32, 32]
     stats = sequences.TokenStats()
     ds = sequences.bucket(sequences.to_examples(records(), "classification"), BOUNDARIES, 4096,
                           drop_remainder=False)

@@ -13,7 +13,7 @@ import tensorflow as tf
 import tfspeed.data
 from tests.conftest import REPO, token_records
 from tfspeed.config import BATCHING_MODES, DataConfig
-from tfspeed.data import pipeline, sequences, text
+from tfspeed.data import buckets, pipeline, text
 from tfspeed.data import schema as schema_lib
 from tfspeed.probes import costs
 
@@ -331,13 +331,13 @@ def test_classification_buckets_hold_batch_size_texts_and_lm_buckets_a_token_bud
     32 texts a bucket. A classifier's loss is a mean over texts: each bucketed training
     batch now holds --batch_size of them, whatever its width. A language model's loss is a
     mean over tokens: its buckets keep the token budget, as does a --tokens_per_batch given.
-    (Buckets wider than sequences.WIDE_BATCH budgets take fewer texts: see the next test.)"""
+    (Buckets wider than buckets.WIDE_BATCH budgets take fewer texts: see the next test.)"""
     for data_dir in (text_dir, short_texts):
         schema = schema_lib.read(data_dir)
         config = DataConfig(data_dir=data_dir, batch_size=16, batching="bucket")
         batching = text.resolve(config, schema, True, compiled=("pack",))
         sizes = dict(zip(batching.boundaries, batching.bucket_batch_sizes, strict=True))
-        narrow = [w for w in sizes if 16 * w <= sequences.WIDE_BATCH * batching.tokens_per_batch]
+        narrow = [w for w in sizes if 16 * w <= buckets.WIDE_BATCH * batching.tokens_per_batch]
         assert len(narrow) > 2 and all(sizes[w] == 16 for w in narrow), sizes
         assert batching.expected_weight("classification") == 16
         widths = set()
@@ -368,8 +368,8 @@ def test_a_long_tail_of_short_texts_keeps_narrow_buckets_in_smaller_batches(shor
     batching = text.resolve(config, schema, True, compiled=("pack",))  # TF on a CPU
     budget = batching.tokens_per_batch
     for width, size in zip(batching.boundaries, batching.bucket_batch_sizes, strict=True):
-        least = 32 // sequences.WIDE_BATCH
-        assert size in (32, least) or size * width <= sequences.WIDE_BATCH * budget, (width, size)
+        least = 32 // buckets.WIDE_BATCH
+        assert size in (32, least) or size * width <= buckets.WIDE_BATCH * budget, (width, size)
         assert size >= least
     assert batching.bucket_batch_sizes[-1] < 32
     assert batching.expected_padding["bucket"] < 0.3, batching.expected_padding

@@ -17,7 +17,7 @@ import dataclasses
 import numpy as np
 
 from tfspeed.config import MAX_LENGTH_CAP
-from tfspeed.data import long_texts, sequences
+from tfspeed.data import buckets, long_texts, sequences
 from tfspeed.errors import UsageError
 from tfspeed.probes import costs as costs_lib
 
@@ -60,7 +60,7 @@ class Batching:
       bucket_size: sequences per batch (``bucket``, classification, no
         ``--tokens_per_batch``: ``--batch_size`` texts, so that every text has the same
         share of the updates, as in padded batches; fewer only in buckets too wide for
-        ``sequences.WIDE_BATCH`` token budgets); 0: each bucket's batch holds the token
+        ``buckets.WIDE_BATCH`` token budgets); 0: each bucket's batch holds the token
         budget (language models: their loss is a mean over tokens).
       max_segments: S, sequences per row (1 unless packed).
       long: what happens to a sequence longer than ``max_length``.
@@ -168,7 +168,7 @@ def expected_padding(counts: np.ndarray, batch_size: int, shape_cost: float = 0.
         multiples of ``FREE_MULTIPLE``, the least padding.
       tokens_per_batch: a bucketed batch's token budget: every bucket then holds at least
         ``MIN_BUCKET_BATCHES`` batches of ``counts`` (one pass); 0: no such bound.
-      bucket_size: a bucketed batch's sequences (``sequences.bucket_batch_sizes``), instead
+      bucket_size: a bucketed batch's sequences (``buckets.bucket_batch_sizes``), instead
         of the budget's.
 
     Returns:
@@ -192,17 +192,16 @@ def expected_padding(counts: np.ndarray, batch_size: int, shape_cost: float = 0.
     filled = {"tokens_per_batch": int(tokens_per_batch), "min_batches": MIN_BUCKET_BATCHES,
               "batch_size": bucket_size}
     if shape_cost:
-        choices = [sequences.choose_boundaries(counts, max_length, k, **filled)
+        choices = [buckets.choose_boundaries(counts, max_length, k, **filled)
                    for k in range(1, MAX_BUCKETS + 1)]
         boundaries, bucket = min(choices, key=lambda c: (1 + len(c[0]) * shape_cost)
                                  / max(1 - c[1], 1e-3))
     elif free_shapes:
-        boundaries, bucket = sequences.choose_boundaries(counts, max_length, FREE_BUCKETS,
-                                                         multiple=FREE_MULTIPLE, **filled)
+        boundaries, bucket = buckets.choose_boundaries(counts, max_length, FREE_BUCKETS,
+                                                       multiple=FREE_MULTIPLE, **filled)
     else:
-        for buckets in range(1, MAX_BUCKETS + 1):
-            boundaries, bucket = sequences.choose_boundaries(counts, max_length, buckets,
-                                                             **filled)
+        for n in range(1, MAX_BUCKETS + 1):
+            boundaries, bucket = buckets.choose_boundaries(counts, max_length, n, **filled)
             if bucket <= BUCKET_PADDING_TARGET:
                 break
     return {"pad": round(float(1 - mean / widest), 4) if widest else 0.0,
@@ -282,8 +281,8 @@ def resolve(config, schema, takes_segments: bool = False, replicas: int = 1,
         mode=mode, reason=reason, max_length=t, tokens_per_batch=tokens,
         batch_size=config.batch_size, rows_per_batch=rows,
         boundaries=tuple(boundaries) if mode == "bucket" else (),
-        bucket_batch_sizes=(tuple(sequences.bucket_batch_sizes(boundaries, tokens, replicas,
-                                                               per_bucket))
+        bucket_batch_sizes=(tuple(buckets.bucket_batch_sizes(boundaries, tokens, replicas,
+                                                             per_bucket))
                             if mode == "bucket" else ()),
         max_segments=segments if mode == "pack" else 1, long=config.long,
         expected_padding=padding, costs=costs, attention_length=attention_length,
@@ -405,8 +404,8 @@ def batch(ds, batching: Batching, *, training: bool, longest: int, num_pipelines
                               deterministic=deterministic, batch_size=size)
         if not drop:
             edges = tf.constant(batching.boundaries, tf.int32)
-            sizes = tf.constant(sequences.bucket_batch_sizes(batching.boundaries, tokens,
-                                                             multiple, size), tf.int32)
+            sizes = tf.constant(buckets.bucket_batch_sizes(batching.boundaries, tokens,
+                                                           multiple, size), tf.int32)
 
             def fill(x, y):
                 if batching.free_shapes:  # no compile per shape: whole replica shares only
