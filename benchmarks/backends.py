@@ -83,7 +83,7 @@ def run(job: str, backend: str, round_: int) -> dict:
         report = json.load(f)
     text = "real_tokens_per_sec" in report
     return {
-        "throughput": report["real_tokens_per_sec"] if text else report["examples_per_sec"],
+        "throughput": report["real_tokens_per_sec"] if text else report["batch_examples_per_sec"],
         "unit": "real tokens/s" if text else "examples/s",
         "step_time_ms": report["step_time_ms"], "too_few_steps": report["too_few_steps"],
         "eval_accuracy": report.get("eval_accuracy"), "eval_loss": report.get("eval_loss"),
@@ -92,7 +92,7 @@ def run(job: str, backend: str, round_: int) -> dict:
         "placement": report["input"]["placement"]["where"],
         "batching": (report["input"].get("batching") or {}).get("mode"),
         "steps_per_execution": report["steps_per_execution"].get("value"),
-        "compiled_functions": report.get("compiled_functions"),
+        "compiled_programs": report.get("compiled_programs"),
     }
 
 

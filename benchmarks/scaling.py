@@ -120,7 +120,7 @@ def _train(data_dir: str, model_dir: str, launcher: list[str], accum: int = 1) -
     subprocess.run([*launcher, *flags_], cwd=REPO, check=True, capture_output=True, text=True)
     with open(os.path.join(model_dir, "report.json")) as f:
         report = json.load(f)
-    return {"examples_per_sec": report["examples_per_sec"],
+    return {"examples_per_sec": report["batch_examples_per_sec"],
             "step_time_ms": report["step_time_ms"],
             "peak_rss_mb": report["peak_host_rss_mb"],
             "workers": report["runtime"]["num_workers"],

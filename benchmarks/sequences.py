@@ -375,7 +375,7 @@ def run_peer(contender: str, data_dir: str, facts: dict) -> dict:
             "train_seconds": steady, "first_step_seconds": clock.ends[0] - clock.begin,
             "padding_fraction": 1 - sum(real) / sum(computed), "steps": len(clock.ends),
             "real_tokens": trained, "computed_tokens": epochs * sum(computed),
-            "compiled_functions": clock.traces,  # traces of Keras' train step
+            "compiled_programs": clock.traces,  # traces of Keras' train step: a program each
             "distinct_input_shapes": len(shapes),
             "eval_metrics": {k: v for k, v in clock.history[-1].items()
                              if k not in ("epoch", "train_seconds")},
@@ -415,7 +415,7 @@ def run_tfspeed(contender: str, data_dir: str, facts: dict, seed: int = 0) -> di
         return {"failed": " ".join(command[1:]), "error": err.strip()[-1500:], "pid": proc.pid}
     with open(report_path) as f:
         report = json.load(f)
-    keys = ("padding_fraction", "compiled_functions", "eval_metrics", "optimizer_updates",
+    keys = ("padding_fraction", "compiled_programs", "eval_metrics", "optimizer_updates",
             "too_few_steps", "steps_measured", "steps_excluded", "seconds_measured",
             "real_tokens_measured", "sequences_per_sec", "seconds", "steps_per_execution",
             "eval_history", "seconds_excluded", "real_tokens")
@@ -489,7 +489,7 @@ def eval_metric(result: dict, name: str):
 
 
 FIGURES = ("real_tokens_per_sec", "real_tokens_per_sec_with_first_step", "first_step_seconds",
-           "padding_fraction", "wall_seconds", "compiled_functions")
+           "padding_fraction", "wall_seconds", "compiled_programs")
 
 
 def usable(rounds: list[dict]) -> list[dict]:

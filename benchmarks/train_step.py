@@ -175,7 +175,7 @@ def run_job(args: list[str], model_dir: str) -> dict:
 
     tfspeed_flags.parse(["tfspeed.train", *args, f"--model_dir={model_dir}"])
     report = run(tfspeed_flags.to_config())
-    return {"examples_per_sec": report["examples_per_sec"],
+    return {"examples_per_sec": report["batch_examples_per_sec"],
             "step_time_ms": report["step_time_ms"], "input_wait_pct": report["input_wait_pct"],
             "eval_accuracy": report["eval_accuracy"],
             "precision": report["runtime"]["precision"],

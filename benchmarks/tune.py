@@ -98,7 +98,7 @@ def grid(workdir: str, name: str) -> dict:
     """Measures every grid cell, the user's flags and the tuned flags (in this process)."""
     from tfspeed.config import flags as tfspeed_flags
     from tfspeed.tuning.measurements import Measurements
-    from tfspeed.tuning.predict import Candidate, candidates, predict
+    from tfspeed.tuning.predict import Candidate, candidates, predict, rate, rate_key
     from tfspeed.tuning.verify import knob_values, plan_run, verify
 
     with open(os.path.join(workdir, "tune", name, "tune.json")) as f:
@@ -113,15 +113,15 @@ def grid(workdir: str, name: str) -> dict:
     user = config(os.path.join(workdir, f"{name}.flags"))
     cells = candidates(m)
     out = {"cells": [], "user": None, "tuned": None}
-    slowest = min(predict(c, m)["examples_per_sec"] for c in cells)
+    slowest = min(rate(predict(c, m)) for c in cells)
 
     def plan(config, c, rate_if_unknown=slowest):
         if c is None:  # the flags as they are: run as long as the finalists' cells
             return plan_run(config, None, m, rate_if_unknown, slowest)
-        cold = predict(Candidate(**{**knob_values(c), "input_placement": "host",
-                                    "cache": "none"}), m)["examples_per_sec"]
-        rate = predict(c, m)["examples_per_sec"]
-        return plan_run(config, c, m, rate, min(cold, rate))
+        cold = rate(predict(Candidate(**{**knob_values(c), "input_placement": "host",
+                                         "cache": "none"}), m))
+        speed = rate(predict(c, m))
+        return plan_run(config, c, m, speed, min(cold, speed))
 
     for i, c in enumerate(cells):
         measured = verify(user, c, os.path.join(workdir, "grid", name, str(i)),
@@ -131,12 +131,12 @@ def grid(workdir: str, name: str) -> dict:
     # the user's flags and the tuned flags are measured again, in interleaved rounds, and
     # those medians are what the ratios compare.
     tuned_config = config(tuned["tuned_flags"]["path"])
-    top = sorted(range(len(cells)), key=lambda i: -out["cells"][i]["examples_per_sec"])[:2]
+    top = sorted(range(len(cells)), key=lambda i: -rate(out["cells"][i]))[:2]
     finals = {**{f"grid{i}": (user, cells[i]) for i in top}, "user": (user, None),
               "tuned": (tuned_config, None)}
     # One length for the user's and the tuned flags, that of the grid's best cell: a run
     # planned for the slowest prediction would be shorter, and count its log points more.
-    final_rate = predict(cells[top[0]], m)["examples_per_sec"]
+    final_rate = rate(predict(cells[top[0]], m))
     rounds = {key: [] for key in finals}
     order = list(finals)
     for r in range(ROUNDS):
@@ -148,8 +148,8 @@ def grid(workdir: str, name: str) -> dict:
                                                                 f"{key}-{r}"),
                                            plan(cfg, c, final_rate)))
     for key, runs in rounds.items():
-        eps = sorted(run["examples_per_sec"] for run in runs)
-        out[key] = {**runs[0], "examples_per_sec": eps[len(eps) // 2], "rounds": eps,
+        eps = sorted(rate(run) for run in runs)
+        out[key] = {**runs[0], rate_key(runs[0]): eps[len(eps) // 2], "rounds": eps,
                     **({"label": cells[int(key[4:])].label()} if key.startswith("grid") else {})}
     out["top"] = [f"grid{i}" for i in top]
     return out
@@ -162,6 +162,7 @@ def main(argv):
         print(json.dumps(grid(workdir, _GRID.value)))
         return
     from tfspeed import bench
+    from tfspeed.tuning.predict import rate
 
     prepare(workdir)
     figures, ratios, details = {}, {}, {}
@@ -172,27 +173,27 @@ def main(argv):
         if done.returncode:
             raise RuntimeError(f"grid {name} failed: {done.stderr[-3000:]}")
         cells = json.loads(done.stdout.strip().splitlines()[-1])
-        best = max((cells[key] for key in cells["top"]), key=lambda r: r["examples_per_sec"])
-        user, again = cells["user"]["examples_per_sec"], cells["tuned"]["examples_per_sec"]
+        best = max((cells[key] for key in cells["top"]), key=rate)
+        user, again = rate(cells["user"]), rate(cells["tuned"])
         figures[name] = {
             "user_examples_per_sec": user, "tuned_examples_per_sec": again,
-            "tuned_in_tune_examples_per_sec": tuned["examples_per_sec"],
-            "grid_best_examples_per_sec": best["examples_per_sec"],
-            "grid_best_single_run_examples_per_sec": max(r["examples_per_sec"]
+            "tuned_in_tune_examples_per_sec": rate(tuned),
+            "grid_best_examples_per_sec": rate(best),
+            "grid_best_single_run_examples_per_sec": max(rate(r)
                                                           for r in cells["cells"]),
             "predicted_examples_per_sec": tuned["predicted"], "tune_seconds": tuned["seconds"],
             "tune_wall_seconds": tuned["wall_s"], "grid_cells": len(cells["cells"]),
             # The same settings measured twice: their ratio is the machine's noise.
             "tuned_is_grid_best": cells["tuned"]["resolved"] == best["resolved"]}
-        ratios[name] = {"tuned_vs_grid_best": again / best["examples_per_sec"],
+        ratios[name] = {"tuned_vs_grid_best": again / rate(best),
                         "tuned_vs_user": again / user,
-                        "grid_best_vs_user": best["examples_per_sec"] / user,
+                        "grid_best_vs_user": rate(best) / user,
                         "prediction_error": tuned["prediction_error"]}
         details[name] = {"grid_best": best["label"], "rounds": {
                              key: cells[key]["rounds"] for key in ["user", "tuned", *cells["top"]]}, "chosen": tuned["chosen"]["label"],
                          "changed": tuned["tuned_flags"]["changed"], "skipped":
                          tuned["skipped"], "tune_output": tuned["stdout"],
-                         "grid": sorted(((r["label"], round(r["examples_per_sec"]))
+                         "grid": sorted(((r["label"], round(rate(r)))
                                          for r in cells["cells"]), key=lambda r: -r[1])}
         print(json.dumps({name: [figures[name], ratios[name]]}), file=sys.stderr)
     config = {"workloads": _ONLY.value, "tune_budget_s": _BUDGET.value, "details": details}

@@ -49,8 +49,8 @@ def test_defaults_resume_with_the_first_runs_decisions(text_dirs, tmp_path, oned
     assert probed == (precision == "measure" or "avx512_bf16" in _cpu_flags()
                       or "amx_bf16" in _cpu_flags()), runtime["reasons"]
     # The probe's two engines (float32 and the mixed policy) are compiled programs: counted.
-    assert first["probe_compiled_functions"].get("precision", 0) == (2 if probed else 0)
-    assert first["compiled_functions"] >= 1
+    assert first["probe_compiled_programs"].get("precision", 0) == (2 if probed else 0)
+    assert first["compiled_programs"] >= 1
     # The rerun resumed where the first ended, and took the first run's choices.
     assert first["resume"]["from_update"] == 0 and again["resume"]["from_update"] == STEPS
     assert again["optimizer_updates"] == 2 * STEPS
@@ -60,7 +60,7 @@ def test_defaults_resume_with_the_first_runs_decisions(text_dirs, tmp_path, oned
         assert first["decisions"]["made"] == ["precision"] and not first["decisions"]["reused"]
         assert again["decisions"]["reused"] == ["precision"]
         assert again["runtime"]["reasons"]["precision"].endswith("reused from the first run")
-        assert again["probe_compiled_functions"] == {}
+        assert again["probe_compiled_programs"] == {}
         assert "precision probe" not in log
     # Exact on the first attempt's kernels; not where oneDNN was turned on in between
     # (its kernels sum in another order than Eigen's).

@@ -14,7 +14,7 @@ from tfspeed import train
 from tfspeed.config import flags as tfspeed_flags
 from tfspeed.errors import UsageError
 
-REPORT_KEYS = {"eval_accuracy", "eval_loss", "examples_per_sec", "step_time_ms",
+REPORT_KEYS = {"eval_accuracy", "eval_loss", "batch_examples_per_sec", "step_time_ms",
                "optimizer_updates", "config", "runtime"}
 
 
@@ -37,7 +37,7 @@ def test_smoke_job_converts_the_demo_data_and_writes_a_report(tmp_path):
     report = json.loads((model_dir / "report.json").read_text())
     assert set(report) >= REPORT_KEYS
     assert report["optimizer_updates"] == 6
-    assert report["examples_per_sec"] > 0 and report["step_time_ms"] > 0
+    assert report["batch_examples_per_sec"] > 0 and report["step_time_ms"] > 0
     assert 0 <= report["input_wait_pct"] <= 100
     assert report["peak_host_rss_mb"] > 100  # a TF process holds hundreds of MB
     assert report["versions"]["host_allocator"] == "pool"

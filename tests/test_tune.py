@@ -46,7 +46,7 @@ def test_a_step_bound_job_is_predicted_at_the_step_with_its_call_overhead():
     m = _measurements()
     p = predict.predict(C("device", "none", "batched", 0, "float32", "off", 4), m)
     # w = 2 ms + 1 ms / 4; nothing else runs: 100 / 2.25 ms.
-    assert p["bound"] == "step" and p["examples_per_sec"] == pytest.approx(100 / 2.25e-3)
+    assert p["bound"] == "step" and p["batch_examples_per_sec"] == pytest.approx(100 / 2.25e-3)
 
 
 def test_input_and_step_share_the_cores_on_a_cpu_host():
@@ -54,12 +54,12 @@ def test_input_and_step_share_the_cores_on_a_cpu_host():
     cold = predict.predict(C("host", "none", "batched", 0, "float32", "off", 1), m)
     # i = 100 x 40 µs = 4 ms CPU; u = 2 ms; (u + i) / 2 cores = 3 ms > w = 3 ms (2 + 1): tie
     # broken to the larger term; with threads=1 the input alone takes 4 ms per batch.
-    assert cold["examples_per_sec"] == pytest.approx(100 / 3e-3)
+    assert cold["batch_examples_per_sec"] == pytest.approx(100 / 3e-3)
     capped = predict.predict(C("host", "none", "batched", 1, "float32", "off", 1), m)
-    assert capped["bound"] == "input" and capped["examples_per_sec"] == pytest.approx(100 / 4e-3)
+    assert capped["bound"] == "input" and capped["batch_examples_per_sec"] == pytest.approx(100 / 4e-3)
     warm = predict.predict(C("host", "memory", "batched", 0, "float32", "off", 8), m)
     # i = 0.4 ms: the step (2.125 ms) bounds it, not (2 + 0.4) / 2.
-    assert warm["bound"] == "step" and warm["examples_per_sec"] == pytest.approx(100 / 2.125e-3)
+    assert warm["bound"] == "step" and warm["batch_examples_per_sec"] == pytest.approx(100 / 2.125e-3)
 
 
 def test_candidates_cover_the_feasible_knobs_only():
@@ -88,7 +88,7 @@ def test_where_predictions_tie_fewer_input_threads_rank_first():
     warm = [r for r in predict.rank(m) if r["candidate"].cache == "memory"
             and r["candidate"].steps_per_execution == 32]
     # The step bounds both thread counts (i = 0.4 ms per batch): a tie, one thread first.
-    assert warm[0]["examples_per_sec"] == warm[1]["examples_per_sec"]
+    assert warm[0]["batch_examples_per_sec"] == warm[1]["batch_examples_per_sec"]
     assert [r["candidate"].input_threads for r in warm] == [1, 0]
     # Decoding every epoch, the input bounds one thread: all cores rank first.
     cold = [r["candidate"].input_threads for r in predict.rank(m)
@@ -205,7 +205,7 @@ def test_a_tune_records_every_candidate_and_the_verified_ones(tuned):
     assert m["objectives"]["task"] == "regression"
     assert verified[0]["measured"]["objectives"]["loss"] == "tfspeed_user_objectives:halved_mse"
     assert verified[0]["measured"]["objectives"]["metrics"] == ["mae", "doubled_mae"]
-    assert all(r["measured"]["examples_per_sec"] > 0 for r in verified)
+    assert all(r["measured"]["batch_examples_per_sec"] > 0 for r in verified)
     assert result["user"]["resolved"]["input_placement"] == "host"
     assert result["user"]["resolved"]["cache"] == "none"
     assert result["seconds"] <= TUNE_BUDGET_S + 15  # the budget, and the last run it allowed
@@ -229,7 +229,7 @@ def test_tuned_flags_train_the_same_job_from_any_directory(tmp_path, monkeypatch
     with flagsaver.flagsaver():
         tfspeed_flags.parse(["tfspeed.tune", *args])
         config = tfspeed_flags.to_config()
-    user = {"measured": {"examples_per_sec": 100.0, "resolved": {}}}
+    user = {"measured": {"batch_examples_per_sec": 100.0, "resolved": {}}}
     output.write_flags(str(tmp_path / "tuned.flags"), args, config, None, user, None)
     monkeypatch.chdir(tmp_path / "elsewhere")
     with flagsaver.flagsaver():

@@ -54,9 +54,9 @@ def test_the_text_job_reaches_the_tensorflow_backends_accuracy(short_texts, tmp_
     # not again when a call's running sums came from the device instead of the host; and
     # the probes' engines (precision on a host with native bfloat16) are counted apart.
     compiles = errors["jax"].count("Finished XLA compilation of jit(_run_steps)")
-    probes = sum(report["probe_compiled_functions"].values())
-    assert compiles == report["compiled_functions"] + probes, (compiles, report)
-    assert report["compiled_functions"] <= len(report["input"]["batching"]["boundaries"]) + 1
+    probes = sum(report["probe_compiled_programs"].values())
+    assert compiles == report["compiled_programs"] + probes, (compiles, report)
+    assert report["compiled_programs"] <= len(report["input"]["batching"]["boundaries"]) + 1
     assert report["runtime"]["backend"] == "jax"
     assert reference["runtime"]["backend"] == "tensorflow"
     assert report["input"]["batching"]["mode"] == reference["input"]["batching"]["mode"]

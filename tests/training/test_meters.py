@@ -67,7 +67,7 @@ def test_a_run_too_short_for_a_median_says_so(digits_dir, tmp_path, capsys):
     report = _run(digits_dir, tmp_path, train_steps=5, steps_per_execution=16)
     assert (report["steps_excluded"], report["steps_measured"]) == (1, 4)
     assert report["too_few_steps"]
-    assert report["examples_per_sec"] > 0  # a figure for tools, flagged, over all steps
+    assert report["batch_examples_per_sec"] > 0  # a figure for tools, flagged, over all steps
     assert "throughput: too few steps measured (4) for a median" in capsys.readouterr().out
 
 

@@ -70,7 +70,7 @@ def test_the_default_text_job_resumes_exactly_after_sigkill(text_dirs, tmp_path)
     # where it timed both modes) the rerun took from its record instead of probing again.
     recorded = json.loads((killed_dir / "checkpoints" / "decisions.json").read_text())
     assert sorted(recorded["decisions"]) == report["decisions"]["reused"]
-    assert not report["decisions"]["made"] and not report["probe_compiled_functions"]
+    assert not report["decisions"]["made"] and not report["probe_compiled_programs"]
     assert "precision probe" not in resumed.stderr and "batching probe" not in resumed.stderr
     if "precision" in recorded["decisions"]:
         assert report["runtime"]["precision"] == recorded["decisions"]["precision"]["value"]

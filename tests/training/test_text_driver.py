@@ -213,7 +213,7 @@ def test_sgd_through_the_pipeline_mirrored_and_accumulated_equals_one_big_batch(
 
 @pytest.mark.parametrize("mode", ["bucket", "pack"])
 def test_xla_compiles_the_step_once_per_shape(short_texts, tmp_path, mode):
-    """XLA compiles per input shape, under one trace: the report's compiled_functions (1)
+    """XLA compiles per input shape, under one trace: the report's compiled_programs (1)
     cannot tell. XLA's own dump counts the step's compiled modules: at most one per bucket,
     however many batches of each, and one for packed rows (a strided slice whose start came
     from the data once made XLA compile the step again for every batch)."""
@@ -239,11 +239,11 @@ def test_xla_compiles_the_step_once_per_shape(short_texts, tmp_path, mode):
     for path in dump.glob("*forward_backward*before_optimizations.txt"):
         module, function = path.name.split(".")[:2]
         functions.setdefault(function, set()).add(module)
-    assert report["compiled_functions"] == 1  # one trace, whatever the shapes
+    assert report["compiled_programs"] == 1  # one trace, whatever the shapes
     # On a host with native bfloat16 (or oneDNN forced on) the precision probe ran first:
     # one fresh engine per policy, each compiled for its one held batch, and the report
     # counts them. The run's own step is the function traced last.
-    probes = report["probe_compiled_functions"].get("precision", 0)
+    probes = report["probe_compiled_programs"].get("precision", 0)
     assert len(functions) == 1 + probes, sorted(functions)
     assert all(len(functions[f]) == 1 for f in sorted(functions, key=_trace_id)[:-1])
     compiled = functions[max(functions, key=_trace_id)]

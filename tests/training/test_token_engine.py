@@ -311,7 +311,7 @@ def test_objectives_for_token_data_are_weighted_and_named():
             objectives.resolve(loss, None, task, lm, sequences=sequences)
 
 
-def test_fit_reports_tokens_and_compiled_functions(sentences, tmp_path):
+def test_fit_reports_tokens_and_compiled_programs(sentences, tmp_path):
     """trainer.fit on a bucketed stream (lengths 16/24/32 interleaved): one dataset, so one
     trace; the report gets the token figures."""
     task = "lm"
@@ -332,7 +332,7 @@ def test_fit_reports_tokens_and_compiled_functions(sentences, tmp_path):
                          config, Runtime(strategy=strategy, plan=plan), steps_per_epoch=3,
                          eval_steps=None, global_batch_size=ROWS, model_dir=str(tmp_path),
                          objectives=goals)
-    assert result.compiled_functions == 1
+    assert result.compiled_programs == 1
     assert result.optimizer_updates == 24
     real = sum(int(np.sum(make_batch([[sentences[i] for i in row] for row in p[0]], task,
                                      n)[0]["segment_ids"] > 0))

@@ -113,7 +113,7 @@ def test_another_token_budget_must_be_predicted_clearly_faster():
     # The step's work per real token does not depend on the budget: only the call's
     # overhead does, by less than the margin, so the job's own 4,096 comes first.
     assert bucket[0]["candidate"].tokens_per_batch == 4096
-    assert max(r["examples_per_sec"] for r in bucket) > bucket[0]["examples_per_sec"]
+    assert max(r["sequences_per_sec"] for r in bucket) > bucket[0]["sequences_per_sec"]
 
 
 def test_only_packed_batches_are_compiled_where_the_step_ran_without_xla():
@@ -146,10 +146,10 @@ def test_a_verifying_run_counts_all_its_measured_windows():
     # to 35 sequences/s, 424 real tokens per sequence, from windows of one bucket each.
     report = {"real_tokens_per_sec": 15_100.0, "sequences_per_sec": 35.2,
               "real_tokens_measured": 213_587, "seconds_measured": 14.3,
-              "padding_fraction": 0.08, "examples_per_sec": 310.0}
+              "padding_fraction": 0.08}
     figures = verify._token_figures(report, mean_length=255.0)
     assert figures["real_tokens_per_sec"] == pytest.approx(213_587 / 14.3)
-    assert figures["examples_per_sec"] == pytest.approx(213_587 / 14.3 / 255)
+    assert figures["sequences_per_sec"] == pytest.approx(213_587 / 14.3 / 255)
     assert figures["median_window_sequences_per_sec"] == 35.2
 
 
@@ -175,7 +175,7 @@ def test_tuned_text_flags_change_only_what_was_compared(tmp_path):
     m = _costed(held_width=56, **SHORT)
     chosen = {"candidate": predict.Candidate("host", "none", "batched", 1, "float32", "off", 1,
                                              "bucket", 8192),
-              "examples_per_sec": 900.0, "measured": {"examples_per_sec": 850.0}}
+              "sequences_per_sec": 900.0, "measured": {"sequences_per_sec": 850.0}}
     written = output.write_flags(str(tmp_path / "tuned.flags"), args, config, chosen,
                                  {"candidate": None}, m)
     # (100 ms steps: 1 step per call is every candidate's, so auto stays too.)
@@ -191,9 +191,9 @@ def test_the_run_of_your_text_flags_is_planned_at_their_own_batching(tmp_path):
     m = _costed(held_width=56, **SHORT, job=("bucket", 8192))
     ranked = predict.rank(m)
     yours = verify.user_rate(config, ranked, m)
-    own = [r["examples_per_sec"] for r in ranked if r["candidate"].batching == "bucket"
+    own = [r["sequences_per_sec"] for r in ranked if r["candidate"].batching == "bucket"
            and r["candidate"].tokens_per_batch == 8192]
-    assert yours == min(own) > min(r["examples_per_sec"] for r in ranked)
+    assert yours == min(own) > min(r["sequences_per_sec"] for r in ranked)
     # A bucketed batch of 8,192 tokens holds ~180 sequences of 40 (12% padding), not
     # --batch_size's 128; no epoch to fill the cache first (text's input is ~1% of a step).
     plan = verify.plan_run(config, None, m, rate=yours, cold_rate=yours)
@@ -219,7 +219,7 @@ def test_your_flags_alone_measured_are_kept_with_what_was_skipped(tmp_path, monk
         runs.append((c, pinned))
         budget.start -= budget.left()  # the run took what was left
         resolved = {**verify.knob_values(predict.rank(m)[0]["candidate"]), **pinned}
-        return {"examples_per_sec": 50.0, "real_tokens_per_sec": 2000.0,
+        return {"sequences_per_sec": 50.0, "real_tokens_per_sec": 2000.0,
                 "padding_fraction": 0.12, "seconds": plan.seconds, "resolved": resolved}
 
     monkeypatch.setattr(measure, "measure_apart", lambda *a: m)
@@ -344,7 +344,7 @@ def test_a_classifiers_buckets_are_tuned_at_its_batch_size_not_at_a_token_budget
     assert "tokens_per_batch" not in verify.knob_values(buckets[0]["candidate"])
     config, args = _text_config(tmp_path)  # the job's own flags: no budget
     written = output.write_flags(str(tmp_path / "tuned.flags"), args, config,
-                                 {**buckets[0], "measured": {"examples_per_sec": 850.0}},
+                                 {**buckets[0], "measured": {"sequences_per_sec": 850.0}},
                                  {"candidate": None}, m)
     assert written["changed"]["batching"] == "bucket"
     assert "tokens_per_batch" not in written["changed"]

@@ -9,8 +9,8 @@ import tensorflow as tf
 
 
 class ThroughputMeter:
-    """Examples/s, step time and the share of time spent waiting for input, per window of
-    steps, logged to TensorBoard.
+    """Batch examples/s, step time and the share of time spent waiting for input, per window
+    of steps, logged to TensorBoard.
 
     The trainer calls ``tick`` only where it syncs with the device anyway (at log points),
     so measuring adds no host-device sync per step. Calls that are not the steady state
@@ -19,9 +19,12 @@ class ThroughputMeter:
     several times its real step time. ``summary`` is the median over the measured windows
     only, and says when too few steps remain for it (``MIN_STEPS``).
 
-    Token batches add ``tokens`` to each window, ``(real, computed, sequences)``: real tokens
-    per second and sequences per second are medians over the measured windows like
-    examples/s, and the padding fraction (1 - real / computed) is over the whole run.
+    One figure, one meaning: ``batch_examples_per_sec`` is the batch size times steps/s,
+    for batches of a fixed number of examples. Token batches hold a varying number of
+    sequences: they add ``tokens`` to each window, ``(real, computed, sequences)``, and
+    report ``real_tokens_per_sec`` and ``sequences_per_sec`` (counted) instead, medians over
+    the measured windows the same way; the padding fraction (1 - real / computed) is over
+    the whole run.
 
     Args:
       global_batch_size: examples in one step.
@@ -64,9 +67,8 @@ class ThroughputMeter:
             return {}
         self.windows.append((steps, seconds, input_wait_s))
         self.window_tokens.append(tuple(tokens))
-        return _examples_are_sequences({
-            **_figures(steps, seconds, input_wait_s, self.global_batch_size),
-            **_token_figures(*tokens, seconds)})
+        return _one_rate({**_figures(steps, seconds, input_wait_s, self.global_batch_size),
+                          **_token_figures(*tokens, seconds)})
 
     def tick(self, steps: int, step: int, input_wait_s: float = 0.0,
              also: dict[str, float] | None = None,
@@ -81,9 +83,9 @@ class ThroughputMeter:
           tokens: ``(real, computed, sequences)`` of the window's token batches.
 
         Returns:
-          ``examples_per_sec``, ``step_time_ms`` and ``input_wait_pct`` of the window, and
-          for token batches ``real_tokens_per_sec``, ``sequences_per_sec`` and
-          ``padding_fraction`` (empty for a window of 0 steps).
+          ``batch_examples_per_sec`` (token batches: ``real_tokens_per_sec``,
+          ``sequences_per_sec`` and ``padding_fraction`` instead), ``step_time_ms`` and
+          ``input_wait_pct`` of the window (empty for a window of 0 steps).
         """
         figures = self.close(steps, input_wait_s, tokens)
         if self.scalars({**figures, **(also or {})}, step):
@@ -122,15 +124,16 @@ class ThroughputMeter:
         return traced
 
     def summary(self) -> dict:
-        """Median step time and examples/s over the measured windows.
+        """Median step time and batch examples/s over the measured windows.
 
         Returns:
-          ``step_time_ms``, ``examples_per_sec``, ``input_wait_pct``, ``steps_measured``,
+          ``step_time_ms``, ``batch_examples_per_sec``, ``input_wait_pct``, ``steps_measured``,
           ``steps_excluded`` (warm-up), ``seconds_measured`` (the measured windows' time),
           ``seconds_excluded`` (warm-up's: the call that traced, probes) and
           ``too_few_steps`` (fewer than ``MIN_STEPS`` measured: the figures are then over
-          all steps, warm-up included, and no median); for token batches also
-          ``real_tokens_per_sec``, ``sequences_per_sec`` (the same way), ``padding_fraction``
+          all steps, warm-up included, and no median); for token batches, instead of
+          ``batch_examples_per_sec``, ``real_tokens_per_sec`` and ``sequences_per_sec`` (the
+          same way), and ``padding_fraction``
           (over every step of the run, warm-up included), ``real_tokens_measured`` (in
           the measured windows: over ``seconds_measured``, a whole-run rate without warm-up)
           and ``real_tokens`` (every step's).
@@ -138,7 +141,7 @@ class ThroughputMeter:
         measured = sum(steps for steps, _, _ in self.windows)
         excluded = sum(steps for steps, _, _ in self.excluded)
         windows = self.windows if measured >= self.MIN_STEPS else self.windows + self.excluded
-        summary = {"step_time_ms": 0.0, "examples_per_sec": 0.0, "input_wait_pct": 0.0}
+        summary = {"step_time_ms": 0.0, "batch_examples_per_sec": 0.0, "input_wait_pct": 0.0}
         if measured < self.MIN_STEPS and windows:  # one figure over everything there is
             summary = _figures(*(sum(w[i] for w in windows) for i in range(3)),
                                self.global_batch_size)
@@ -146,11 +149,11 @@ class ThroughputMeter:
             step_s = statistics.median(seconds / steps for steps, seconds, _ in windows)
             summary = {
                 "step_time_ms": 1000 * step_s,
-                "examples_per_sec": self.global_batch_size / step_s,
+                "batch_examples_per_sec": self.global_batch_size / step_s,
                 "input_wait_pct": 100 * statistics.median(
                     min(wait / seconds, 1.0) for _, seconds, wait in windows),
             }
-        return _examples_are_sequences({
+        return _one_rate({
             **summary, **self._token_summary(measured >= self.MIN_STEPS),
             "steps_measured": measured, "steps_excluded": excluded,
             "seconds_measured": sum(seconds for _, seconds, _ in self.windows),
@@ -176,11 +179,11 @@ class ThroughputMeter:
                 "real_tokens": real}
 
 
-def _examples_are_sequences(figures: dict) -> dict:
-    """Token batches hold a varying number of sequences: their examples/s is sequences/s,
-    never the batch size over the step time."""
+def _one_rate(figures: dict) -> dict:
+    """Token batches hold a varying number of sequences: the batch size over the step time
+    means nothing there, and their rate is ``sequences_per_sec``."""
     if "sequences_per_sec" in figures:
-        figures["examples_per_sec"] = figures["sequences_per_sec"]
+        figures.pop("batch_examples_per_sec", None)
     return figures
 
 
@@ -194,6 +197,6 @@ def _token_figures(real: int, computed: int, sequences: int, seconds: float) -> 
 
 def _figures(steps: int, seconds: float, input_wait_s: float, batch: int) -> dict[str, float]:
     seconds = max(seconds, 1e-9)
-    return {"examples_per_sec": steps * batch / seconds,
+    return {"batch_examples_per_sec": steps * batch / seconds,
             "step_time_ms": 1000 * seconds / steps,
             "input_wait_pct": 100 * min(input_wait_s / seconds, 1.0)}

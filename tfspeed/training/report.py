@@ -45,8 +45,8 @@ def summary_lines(report: dict) -> list[str]:
         + f"updates={report['optimizer_updates']}",
         _throughput_line(report),
     ]
-    if report.get("compiled_functions", 0) > 1:  # each retrace (new input shape) costs a compile
-        lines.append(f"training step traced {report['compiled_functions']} times (once per "
+    if report.get("compiled_programs", 0) > 1:  # each new input shape costs a compile
+        lines.append(f"training step compiled {report['compiled_programs']} programs (one per "
                      "input shape)")
     if "peak_host_rss_mb" in report:
         lines.append(f"peak host memory: {report['peak_host_rss_mb'] / 1024:.2f} GB")
@@ -71,8 +71,9 @@ def _throughput_line(report: dict) -> str:
         return (f"throughput: too few steps measured ({report['steps_measured']}) for a median"
                 f"{left_out}; over all steps: {report['step_time_ms']:.2f} ms/step, warm-up "
                 "included")
-    speed = f"{report['examples_per_sec']:.0f} examples/s"
-    if "real_tokens_per_sec" in report:  # token batches: rows are not what was learnt from
+    if "real_tokens_per_sec" not in report:
+        speed = f"{report['batch_examples_per_sec']:.0f} examples/s"
+    else:  # token batches: rows are not what was learnt from
         speed = (f"{_thousands(report['real_tokens_per_sec'])} real tokens/s "
                  f"({report['padding_fraction']:.0%} padding), "
                  f"{report['sequences_per_sec']:,.0f} sequences/s")

@@ -69,9 +69,9 @@ def _train_and_report(job: Job) -> dict:
         "skipped_updates": result.skipped_updates,
         "resumed_from_update": result.resumed_from_update,
         "steps_per_execution": result.steps_per_execution,
-        "compiled_functions": result.compiled_functions,
+        "compiled_programs": result.compiled_programs,
         # The probes' engines are programs compiled too (one each per input shape timed).
-        "probe_compiled_functions": job.probe_compiles,
+        "probe_compiled_programs": job.probe_compiles,
         "decisions": job.decisions.report() if job.decisions else {},
         "resume": _resume(job, result.resumed_from_update),
         "learning_rate": result.learning_rate,

@@ -49,12 +49,12 @@ class FitResult:
     Attributes:
       train_metrics: the last logged training loss and metrics.
       eval_metrics: final evaluation loss and metrics (empty without an eval split).
-      history: every log point: update, micro-step, loss, metrics, examples/s.
+      history: every log point: update, micro-step, loss, metrics and the meter's rates.
       eval_history: every evaluation (``--eval_every_epochs``, and the last at the end):
         epoch (passes trained, may be fractional), update, micro-step, its metrics,
         ``train_seconds`` (training before it, evaluations left out) and ``seconds`` (its
         own).
-      throughput: median examples/s and step time from the meter.
+      throughput: the meter's median rates and step time (``meters.ThroughputMeter``).
       optimizer_updates: optimizer iterations at the end (updates, not micro-batches).
       micro_steps: micro-batches trained on, this run and any resumed one.
       skipped_updates: updates skipped for non-finite gradients (loss scaling).
@@ -64,8 +64,8 @@ class FitResult:
       profile: the profiler summary (empty without ``profile_steps``).
       seconds: wall time per phase: ``fit`` the training loop less the evaluations
         during it, ``evaluate`` every evaluation.
-      compiled_functions: traces of the engine's training step (one per input signature:
-        with static bucket shapes, at most one per bucket).
+      compiled_programs: the step's compiled programs (TensorFlow's traces, JAX's programs:
+        one per input shape; with static bucket shapes, at most one per bucket).
     """
 
     train_metrics: dict
@@ -80,7 +80,7 @@ class FitResult:
     learning_rate: float
     profile: dict
     seconds: dict
-    compiled_functions: int = 0
+    compiled_programs: int = 0
     eval_history: list = dataclasses.field(default_factory=list)
 
 
@@ -256,7 +256,7 @@ def _fit(engine, train_data, eval_data, config, runtime, steps_per_epoch, eval_s
         learning_rate=peak_learning_rate(config, global_batch_size),
         profile=loop.profile.summary if loop.profile else {},
         seconds={"fit": fit_seconds, "evaluate": loop.eval_seconds},
-        compiled_functions=engine.compiled_functions,
+        compiled_programs=engine.compiled_functions,
         eval_history=loop.eval_history,
     )
 
@@ -449,12 +449,12 @@ class _Loop:
         tokens = "real_tokens_per_sec" in figures  # text: tokens and sequences, not examples
         speed = ({"real tokens/s": figures["real_tokens_per_sec"],
                   "sequences/s": figures["sequences_per_sec"]} if tokens
-                 else {"examples/s": figures.get("examples_per_sec")})
+                 else {"examples/s": figures.get("batch_examples_per_sec")})
         speed["input wait %"] = figures.get("input_wait_pct")
+        rates = ("real_tokens_per_sec", "sequences_per_sec") if tokens else (
+            "batch_examples_per_sec",)
         self.history.append({"update": updates, "micro_step": done, **metrics,
-                             "examples_per_sec": figures.get("examples_per_sec"),
-                             **({"real_tokens_per_sec": figures["real_tokens_per_sec"]}
-                                if tokens else {})})
+                             **{name: figures.get(name) for name in rates}})
         self.progbar.update(updates, [*metrics.items(),
                                       *((k, v) for k, v in speed.items() if figures)])
         if not self.progbar.verbose:

@@ -11,7 +11,7 @@ import os
 
 from tfspeed.config import BATCHING_MODES
 from tfspeed.tuning.measurements import COLD, InputKey, InputTiming, Measurements
-from tfspeed.tuning.predict import Candidate, candidates, predict
+from tfspeed.tuning.predict import Candidate, candidates, predict, rate, rate_key, rate_unit
 from tfspeed.tuning.verify import Budget, given_knobs
 from tfspeed.util import charts
 
@@ -45,7 +45,7 @@ def write_outputs(tune_dir: str, config, flag_args: list[str], m: Measurements,
 def _result(m: Measurements, ranked, chosen, user, budget: Budget, keep_user: bool) -> dict:
     def row(r):
         return {"flags": r["candidate"].flags(), "label": r["candidate"].label(),
-                "predicted": round(r["examples_per_sec"], 1), "bound": r["bound"],
+                "predicted": round(rate(r), 1), "bound": r["bound"],
                 "step_ms": round(r["step_ms"], 3), "input_cpu_ms": round(r["input_cpu_ms"], 3),
                 **({"predicted_real_tokens_per_sec": round(r["real_tokens_per_sec"], 1),
                     "expected_padding": r["expected_padding"],
@@ -54,19 +54,19 @@ def _result(m: Measurements, ranked, chosen, user, budget: Budget, keep_user: bo
                 **({"measured": r["measured"]} if "measured" in r else {})}
 
     best = user if keep_user else chosen
-    measured = best["measured"]["examples_per_sec"]
-    predicted = best.get("predicted") if keep_user else chosen["examples_per_sec"]
+    measured = rate(best["measured"])
+    predicted = best.get("predicted") if keep_user else rate(chosen)
     return {
         "measurements": m,
         "candidates": [row(r) for r in ranked],
         "chosen": {"label": "your flags", **user} if keep_user else row(chosen),
         "kept_your_flags": keep_user,
-        "examples_per_sec": measured,
+        rate_key(best["measured"]): measured,
         "predicted": predicted,
         "prediction_error": abs(predicted - measured) / measured if predicted else None,
         "user": user.get("measured"),
         "user_predicted": user.get("predicted"),
-        "vs_user": measured / user["measured"]["examples_per_sec"] if "measured" in user
+        "vs_user": measured / rate(user["measured"]) if "measured" in user
         else None,
         **_token_result(m, best),
         "skipped": budget.skipped,
@@ -100,7 +100,7 @@ def recommend_storage(config, m: Measurements, chosen: dict) -> dict | None:
     raw = max(cold.cpu_s - m.stages.decode, 0.0)  # decoding gone; reading 150 KB is ~free
     c = dataclasses.replace(chosen["candidate"], input_placement="host", cache="none",
                             parse="batched")
-    now = predict(c, m)["examples_per_sec"]
+    now = rate(predict(c, m))
     stored_raw = {**m.input, COLD: InputTiming(cpu_s=raw, wall_s=cold.wall_s)}
     after = predict(c, dataclasses.replace(m, input=stored_raw))
     size = config.data.image_size
@@ -108,7 +108,7 @@ def recommend_storage(config, m: Measurements, chosen: dict) -> dict | None:
         "command": f"python scripts/to_tfrecord.py --source={schema.source} "
                    f"--output={config.data.data_dir.rstrip('/')}-{size}px "
                    f"--image_size={size} --image_format=raw",
-        "predicted_gain_uncached": after["examples_per_sec"] / now,
+        "predicted_gain_uncached": rate(after) / now,
         "when": "every epoch without a cache; with one, only the first epoch",
     }
 
@@ -128,14 +128,15 @@ def write_flags(path: str, flag_args: list[str], config, chosen: dict | None, us
     """
     resolved = (user.get("measured") or {}).get("resolved", {})
     changed = _changed(chosen["candidate"], config, resolved, m) if chosen is not None else {}
-    measured = (chosen or user)["measured"]["examples_per_sec"]
-    head = f"# python -m tfspeed.tune: {measured:,.0f} examples/s measured with these flags"
+    measured = rate((chosen or user)["measured"])
+    unit = rate_unit((chosen or user)["measured"])
+    head = f"# python -m tfspeed.tune: {measured:,.0f} {unit} measured with these flags"
     if chosen is None:
         head += f"; {kept_because}, nothing changed"
     elif "measured" in user:
-        head += (f", {measured / user['measured']['examples_per_sec']:.2f}x the original's "
-                 f"{user['measured']['examples_per_sec']:,.0f} (predicted "
-                 f"{chosen['examples_per_sec']:,.0f})")
+        head += (f", {measured / rate(user['measured']):.2f}x the original's "
+                 f"{rate(user['measured']):,.0f} (predicted "
+                 f"{rate(chosen):,.0f})")
     lines = [head, *(_absolute(a) for a in flag_args
                      if a.startswith("--") and not a.startswith(_TUNE_FLAGS))]
     # A nested flagfile's own relative paths resolve from where the tune ran: pin them, so
@@ -273,11 +274,11 @@ def report_lines(result: dict, m: Measurements) -> list[str]:
              f"  {'candidate':<58} {'predicted':>10} {'measured':>10}"]
     if result["user"]:
         lines.append(f"  {'your flags':<58} {'':>10} "
-                     f"{result['user']['examples_per_sec']:>10,.0f}")
+                     f"{rate(result['user']):>10,.0f}")
     for r in (r for r in result["candidates"] if "measured" in r):
         mark = "*" if r["label"] == result["chosen"]["label"] else " "
         lines.append(f" {mark}{r['label']:<58} {r['predicted']:>10,.0f} "
-                     f"{r['measured']['examples_per_sec']:>10,.0f}")
+                     f"{rate(r['measured']):>10,.0f}")
     vs = f", {result['vs_user']:.2f}x your flags" if result["vs_user"] else ""
     error = result["prediction_error"]
     lines.append(f"chosen: {result['chosen']['label']}{vs}" + (
@@ -293,13 +294,14 @@ def report_lines(result: dict, m: Measurements) -> list[str]:
 
 
 def chart(result: dict, path: str) -> str:
-    """Predicted against measured examples/s of the verified candidates, as a PNG."""
+    """Predicted against measured speed (``predict.rate``) of the verified candidates, as a
+    PNG."""
     shown = [r for r in result["candidates"] if "measured" in r]
     user = result["user"]
     bars = charts.Panel(
         labels=[r["label"] for r in shown],
         series={"predicted": [r["predicted"] for r in shown],
-                "measured": [r["measured"]["examples_per_sec"] for r in shown]},
-        value_label="examples/s", font_size=7,
-        reference=("your flags", user["examples_per_sec"]) if user else None)
+                "measured": [rate(r["measured"]) for r in shown]},
+        value_label=rate_unit(shown[0]["measured"]) if shown else "examples/s", font_size=7,
+        reference=("your flags", rate(user)) if user else None)
     return charts.bar_chart(path, [bars], size=(9, 1.2 + 0.5 * len(shown)))

@@ -1,6 +1,7 @@
 """Phase 2 of ``tfspeed.tune``: the cost model (pure, no TensorFlow).
 
-Every candidate's steady-state examples/s from the measurements: per batch the step takes
+Every candidate's steady-state speed from the measurements (``rate``: batch examples/s, token
+batches' sequences/s): per batch the step takes
 ``w = s + c / N`` of wall time and ``u`` CPU-seconds, the input ``i`` CPU-seconds (0 in the
 step), so ``T = max(w, i / threads, (u + i) / cores)``.
 """
@@ -54,8 +55,26 @@ class Candidate:
 _TEXT_KNOBS = ("batching", "tokens_per_batch")
 
 
+def rate_key(figures: dict) -> str:
+    """The speed a prediction or a measurement holds, the one candidates rank by:
+    ``sequences_per_sec`` for token batches (real tokens/s over the split's mean length),
+    else ``batch_examples_per_sec`` (the batch size times steps/s)."""
+    return "sequences_per_sec" if "sequences_per_sec" in figures else "batch_examples_per_sec"
+
+
+def rate(figures: dict) -> float:
+    """The figure named by ``rate_key``."""
+    return figures[rate_key(figures)]
+
+
+def rate_unit(figures: dict) -> str:
+    """``rate``'s unit, to print."""
+    return "sequences/s" if rate_key(figures) == "sequences_per_sec" else "examples/s"
+
+
 def predict(c: Candidate, m: Measurements) -> dict:
-    """Steady-state examples/s of ``c`` from the measurements ``m`` (see the module doc).
+    """Steady-state speed of ``c`` from the measurements ``m`` (see the module doc):
+    ``batch_examples_per_sec``, or ``sequences_per_sec`` for token batches (``rate``).
 
     Returns:
       The prediction with its parts: wall ``w`` and CPU ``u`` of the step per batch
@@ -75,7 +94,7 @@ def predict(c: Candidate, m: Measurements) -> dict:
     threads = min(c.input_threads or m.cores, m.cores)
     terms = {"step": w, "input": i / threads, "cores": (u + i) / m.cores}
     bound = max(terms, key=terms.get)
-    return {"examples_per_sec": m.batch_size / terms[bound], "bound": bound,
+    return {"batch_examples_per_sec": m.batch_size / terms[bound], "bound": bound,
             "step_ms": 1000 * w, "step_cpu_ms": 1000 * u, "input_cpu_ms": 1000 * i}
 
 
@@ -90,8 +109,8 @@ def _predict_tokens(c: Candidate, m: Measurements) -> dict:
     the job's ``Batching.costs`` fold in): each candidate's step is the one timed at its
     XLA setting.
 
-    ``examples_per_sec`` is sequences/s (real tokens/s over the mean length), so token
-    candidates rank among themselves by real tokens/s.
+    ``sequences_per_sec`` is real tokens/s over the mean length (sequences of the mean
+    length), so token candidates rank among themselves by real tokens/s.
     """
     text = m.text
     padding = text["batching"][c.batching]["expected_padding"]
@@ -108,7 +127,7 @@ def _predict_tokens(c: Candidate, m: Measurements) -> dict:
     terms = {"step": w, "input": i / threads, "cores": (u + i) / m.cores}
     bound = max(terms, key=terms.get)
     rate = real / terms[bound]
-    return {"examples_per_sec": rate / max(text["mean_length"], 1e-9), "bound": bound,
+    return {"sequences_per_sec": rate / max(text["mean_length"], 1e-9), "bound": bound,
             "real_tokens_per_sec": rate, "expected_padding": padding,
             "cost_per_real_token": cost, "step_ms": 1000 * w, "step_cpu_ms": 1000 * u,
             "input_cpu_ms": 1000 * i}
@@ -197,10 +216,10 @@ def rank(m: Measurements) -> list[dict]:
 
     def key(r):
         c = r["candidate"]
-        rate = r["examples_per_sec"]
+        speed = rate(r)
         if own and c.tokens_per_batch and c.batching != "pad" and c.tokens_per_batch != own:
-            rate *= 1 - TOKEN_BUDGET_MARGIN
-        return -rate, min(c.input_threads or m.cores, m.cores)
+            speed *= 1 - TOKEN_BUDGET_MARGIN
+        return -speed, min(c.input_threads or m.cores, m.cores)
 
     return sorted(({"candidate": c, **predict(c, m)} for c in candidates(m)), key=key)
 

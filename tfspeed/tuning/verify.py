@@ -15,7 +15,15 @@ from absl import logging
 from tfspeed.config import is_auto
 from tfspeed.probes import autotune
 from tfspeed.tuning.measurements import Measurements
-from tfspeed.tuning.predict import Candidate, examples_per_batch, predict, spe_choices
+from tfspeed.tuning.predict import (
+    Candidate,
+    examples_per_batch,
+    predict,
+    rate,
+    rate_key,
+    rate_unit,
+    spe_choices,
+)
 
 VERIFY_SECONDS = 3.0  # of timed steady-state steps per verification run
 # Timed micro-steps per run, at least: 8 windows for the meter's median. Token batches take
@@ -105,7 +113,7 @@ class RunPlan:
 def plan_run(config, c: Candidate | None, m: Measurements, rate: float,
              cold_rate: float, spe: int | None = None,
              max_seconds: float = float("inf")) -> RunPlan:
-    """A run long enough for ~``VERIFY_SECONDS`` of steady state at ``rate`` examples/s,
+    """A run long enough for ~``VERIFY_SECONDS`` of steady state at ``rate`` (``predict.rate``),
     after one epoch at ``cold_rate`` where a cache must fill first; with fewer timed steps
     (``FEWEST_TIMED_STEPS`` at the least) where that would take over ``max_seconds``.
 
@@ -169,11 +177,12 @@ def verify(config, c: Candidate | None, run_dir: str, plan: RunPlan,
     for the knobs ``pinned``: see ``Verifier.plan``).
 
     Args:
-      mean_length: token batches: the split's mean sequence length (``examples_per_sec`` is
+      mean_length: token batches: the split's mean sequence length (``sequences_per_sec`` is
         then the measured real tokens/s over it).
 
     Returns:
-      Steady-state examples/s from its meter (the median window, after a cache has filled;
+      Steady-state ``batch_examples_per_sec`` (token batches: ``sequences_per_sec``) from
+      its meter (the median window, after a cache has filled;
       token batches: over all its measured windows), the run's seconds, input wait,
       objectives and ``resolved`` settings.
     """
@@ -202,9 +211,9 @@ def verify(config, c: Candidate | None, run_dir: str, plan: RunPlan,
     # this, and held their speed with it (measured once on 2 cores, not benchmarked).
     keras.backend.clear_session()
     gc.collect()
-    tokens = _token_figures(report, mean_length) if "real_tokens_per_sec" in report else {}
-    return {"examples_per_sec": tokens.pop("examples_per_sec", report["examples_per_sec"]),
-            **tokens,
+    speed = (_token_figures(report, mean_length) if "real_tokens_per_sec" in report
+             else {"batch_examples_per_sec": report["batch_examples_per_sec"]})
+    return {**speed,
             "seconds": round(seconds, 2), "micro_steps": plan.micro_steps,
             "expected_seconds": round(plan.seconds, 1),
             "input_wait_pct": report.get("input_wait_pct"), "resolved": _resolved(report),
@@ -213,7 +222,7 @@ def verify(config, c: Candidate | None, run_dir: str, plan: RunPlan,
 
 def _token_figures(report: dict, mean_length: float) -> dict:
     """A token run's speed: real tokens over the seconds of all its measured windows, and
-    as ``examples_per_sec`` the sequences of the mean length that makes (rows/s would
+    as ``sequences_per_sec`` the sequences of the mean length that makes (rows/s would
     favour padding). Not the meter's median window: bucketed windows of a few steps each
     hold one width, and a narrow bucket's window holds many short sequences, a wide one's
     few long ones; on pystdlib (mean 255 tokens) the median window's sequences/s came to
@@ -222,11 +231,11 @@ def _token_figures(report: dict, mean_length: float) -> dict:
     measured = report.get("real_tokens_measured") or 0
     seconds = report.get("seconds_measured") or 0
     real = measured / seconds if measured and seconds else report["real_tokens_per_sec"]
-    return {"examples_per_sec": real / mean_length if mean_length else
+    return {"sequences_per_sec": real / mean_length if mean_length else
             report["sequences_per_sec"],
             "real_tokens_per_sec": real, "padding_fraction": report["padding_fraction"],
             "median_window_sequences_per_sec": report["sequences_per_sec"],
-            "compiled_functions": report.get("compiled_functions")}
+            "compiled_programs": report.get("compiled_programs")}
 
 
 def given_knobs(config) -> dict:
@@ -239,7 +248,7 @@ def given_knobs(config) -> dict:
 
 
 def user_rate(config, ranked: list[dict], m: Measurements) -> float:
-    """Examples/s to plan the run of the user's flags by: the slowest prediction among the
+    """The speed (``predict.rate``) to plan the run of the user's flags by: the slowest prediction among the
     candidates their settings allow (any value where ``auto``; token batches at the batching
     the job resolved), or among all where none matches."""
     given = given_knobs(config)
@@ -252,8 +261,8 @@ def user_rate(config, ranked: list[dict], m: Measurements) -> float:
                    for k, v in knob_values(c).items()
                    if not (k == "tokens_per_batch" and c.batching == "pad"))
 
-    mine = [r["examples_per_sec"] for r in ranked if allowed(r["candidate"])]
-    return min(mine or [r["examples_per_sec"] for r in ranked])
+    mine = [rate(r) for r in ranked if allowed(r["candidate"])]
+    return min(mine or [rate(r) for r in ranked])
 
 
 def knob_values(c: Candidate) -> dict:
@@ -346,11 +355,11 @@ class Verifier:
         steps per call of ``auto_spe`` where the run is too short for the driver's
         probe."""
         c = entry["candidate"]
-        rate = entry.get("examples_per_sec") or self.yours
-        cold = (predict(dataclasses.replace(c, input_placement="host", cache="none"), self.m)
-                ["examples_per_sec"] if c else self.yours)
+        speed = rate(entry) if c else self.yours
+        cold = (rate(predict(dataclasses.replace(c, input_placement="host", cache="none"),
+                             self.m)) if c else self.yours)
         fits = self.budget.affords(then)
-        plan, pinned = plan_run(self.config, c, self.m, rate, min(cold, rate),
+        plan, pinned = plan_run(self.config, c, self.m, speed, min(cold, speed),
                                 max_seconds=fits), {}
         job = (self.m.text or {}).get("job")
         if c is None and job and is_auto(self.config.data.batching):
@@ -360,7 +369,7 @@ class Verifier:
         if c is None and is_auto(self.config.train.steps_per_execution) and not (
                 autotune.probe_fits(plan.micro_steps)):
             pinned["steps_per_execution"] = auto_spe(self.m)
-            plan = plan_run(self.config, c, self.m, rate, min(cold, rate),
+            plan = plan_run(self.config, c, self.m, speed, min(cold, speed),
                             spe=pinned["steps_per_execution"], max_seconds=fits)
         return plan, pinned
 
@@ -376,8 +385,8 @@ class Verifier:
         entry["measured"] = verify(self.config, c, os.path.join(self.work, f"run{self.runs}"),
                                    plan, pinned, (self.m.text or {}).get("mean_length", 0.0))
         self.budget.observe(plan.seconds, entry["measured"]["seconds"])
-        say("%s: %.1f examples/s measured in %.0f s", name,
-            entry["measured"]["examples_per_sec"], entry["measured"]["seconds"])
+        say("%s: %.1f %s measured in %.0f s", name, rate(entry["measured"]),
+            rate_unit(entry["measured"]), entry["measured"]["seconds"])
         return True
 
     def first_round(self, ranked: list[dict], n: int) -> dict:
@@ -390,7 +399,7 @@ class Verifier:
         user = {"candidate": None}
         if self.check(user, "your flags"):
             mine = as_candidate(user["measured"]["resolved"])
-            user["predicted"] = predict(mine, self.m)["examples_per_sec"] if mine and (
+            user["predicted"] = rate(predict(mine, self.m)) if mine and (
                 mine.step_key in self.m.step) and (not mine.batching or mine.batching in (
                     self.m.text or {}).get("batching", {})) else None
         for entry in to_verify(ranked, n, user.get("measured", {}).get("resolved")):
@@ -401,7 +410,7 @@ class Verifier:
         """Again, fastest first, the user's flags too, as time allows: on a shared machine
         one run can be unlucky (and a process's first runs are slower); each keeps its
         best, with both rounds' figures."""
-        again = sorted(verified, key=lambda r: -r["measured"]["examples_per_sec"])
+        again = sorted(verified, key=lambda r: -rate(r["measured"]))
         if "measured" not in user:
             for entry in again:
                 self._again(entry)
@@ -419,9 +428,9 @@ class Verifier:
         if not self.check(entry, "a second round of " + label +
                           (", then of your flags" if then else ""), then):
             return False
-        entry["measured"]["rounds"] = sorted([first["examples_per_sec"],
-                                              entry["measured"]["examples_per_sec"]])
-        if first["examples_per_sec"] > entry["measured"]["examples_per_sec"]:
+        entry["measured"]["rounds"] = sorted([rate(first),
+                                              rate(entry["measured"])])
+        if rate(first) > rate(entry["measured"]):
             entry["measured"] = {**first, "rounds": entry["measured"]["rounds"]}
         return True
 
@@ -434,16 +443,16 @@ def choose(verified: list[dict], user: dict) -> tuple[dict, bool]:
     (two runs of one configuration differ only by noise); then they keep the better of the
     two runs' figures.
     """
-    best = max(r["measured"]["examples_per_sec"] for r in verified)
+    best = max(rate(r["measured"]) for r in verified)
     resolved = user.get("measured", {}).get("resolved", {})
-    close = [r for r in verified if r["measured"]["examples_per_sec"] >= (1 - NOISE) * best]
+    close = [r for r in verified if rate(r["measured"]) >= (1 - NOISE) * best]
     chosen = min(close, key=lambda r: (changes(r["candidate"], resolved),
-                                       -r["measured"]["examples_per_sec"]))
+                                       -rate(r["measured"])))
     same = not changes(chosen["candidate"], resolved)
     keep_user = "measured" in user and (
-        user["measured"]["examples_per_sec"] >= (1 - NOISE) * best or same)
+        rate(user["measured"]) >= (1 - NOISE) * best or same)
     if keep_user:
-        user["measured"]["examples_per_sec"] = max(user["measured"]["examples_per_sec"],
-                                                   chosen["measured"]["examples_per_sec"]
+        user["measured"][rate_key(user["measured"])] = max(rate(user["measured"]),
+                                                   rate(chosen["measured"])
                                                    if same else 0)
     return chosen, keep_user
