@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import re
@@ -305,33 +306,45 @@ def test_service_needs_a_shard_file_per_training_worker(numbered_dir):
 
 def test_worker_killed_mid_epoch_training_finishes_and_reports_loss(cluster, digits_dir,
                                                                     tmp_path):
+    """Both workers die mid-run: training finishes, and the records they held are counted
+    as lost (never twice).
+
+    The kill must land while the job still needs records the workers hold. Killing at a
+    log line raced the trainer: a tiny model trains 150 updates in a second or two, and
+    once a loaded machine let the test read the line only after the trainer had fetched
+    every record it needed, so nothing was lost (1 failure in 3 full runs). Here the trainer
+    waits for the test instead: its output goes to a one-page pipe that the test stops
+    reading at the first log, so it blocks in its next log writes, far from the end of the
+    run (each update's log line is ~150 bytes; 300 updates logged every 4 write ~11 KB,
+    more than the page and what the test has buffered), with the workers holding the rest
+    of the epochs in flight."""
     address, workers = cluster
     model_dir = tmp_path / "run"
     train = subprocess.Popen(
         [sys.executable, "-m", "tfspeed.train", f"--data_dir={digits_dir}",
          f"--model_dir={model_dir}", "--model=mlp", "--width=16", "--batch_size=32",
-         "--train_steps=150", "--steps_per_execution=4", "--log_every=8", "--cache=none",
+         "--train_steps=300", "--steps_per_execution=4", "--log_every=4", "--cache=none",
          "--augment=flip", f"--data_service={address}", "--eval_split=",
          "--precision=float32"],
         cwd=REPO, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"},
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    fcntl.fcntl(train.stdout.fileno(), fcntl.F_SETPIPE_SZ, 4096)
     lines = []
-    for line in train.stdout:  # kill one worker's server once training is under way
+    for line in train.stdout:
         lines.append(line)
-        # At the first log (256 of the epoch's 1,617 records consumed): at update 24 a
-        # loaded machine's workers had once served both epochs already, and nothing was lost.
-        if "update 8/" in line:
-            for worker in workers:  # whichever holds the rest of the epoch loses it
-                os.kill(worker.server_pid, signal.SIGKILL)
+        if "update 4/" in line:  # training is under way (128 of the epoch's 1,617 records)
             break
+    assert train.poll() is None, "".join(lines[-20:])  # it cannot finish: unread output
+    for worker in workers:  # whichever holds the rest of the epochs in flight loses it
+        os.kill(worker.server_pid, signal.SIGKILL)
     lines += train.stdout.readlines()
     assert train.wait(timeout=300) == 0, "".join(lines[-20:])
     report = json.loads((model_dir / "report.json").read_text())
-    assert report["optimizer_updates"] == 150
+    assert report["optimizer_updates"] == 300
     counts = report["data_service"]["splits"]["train"]
     assert counts["duplicated"] == 0
     assert counts["delivered"] + counts["lost"] == counts["expected"]
-    assert counts["lost"] > 0, counts  # records in flight on the killed worker
+    assert counts["lost"] > 0, counts  # records in flight on the killed workers
     print("service counts after the kill:", counts)
     assert any(f"{counts['lost']} lost" in line or "lost (a service worker" in line
                for line in lines)

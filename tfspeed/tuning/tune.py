@@ -6,7 +6,7 @@ cache, whether the split should sit in the step, how many steps a call runs or a
 precision. This does, in three phases (the README's "Let tfspeed choose" explains the model):
 
 1. **Measure** (``tuning.measure``), in CPU time per element, the input and the step alone.
-2. **Predict** (``tuning.predict``) every candidate's steady-state examples/s.
+2. **Predict** (``tuning.predict``) every candidate's steady-state speed (``predict.rate``).
 3. **Verify** (``tuning.verify``) the best few, and the user's own flags, with short runs of
    the real driver; the fastest measured wins. ``tuning.output`` writes ``tuned.flags`` (the
    original flagfile nested, only the changed flags added, each with the measured reason),
