@@ -172,7 +172,7 @@ def _build(config: Config, rt, lock: locks.Lock | None, converted_s: float = 0.0
         rt = decisions.with_precision(rt, recorded)
     elif precision_to_measure(config, rt):
         rt = measure_job_precision(config, rt, schema, inputs, input_shape, steps_per_epoch,
-                                   batching, compiles)
+                                   batching, compiles, engine_at=engine_at)
         keras.utils.set_random_seed(data.seed)  # the probe's models drew from the generator
         decided.record("precision", {"value": rt.plan.precision,
                                      "reason": rt.plan.reasons["precision"]})

@@ -59,12 +59,12 @@ def measure_precision(config: Config, rt, engine_for, source, run_steps: int,
 
 
 def measure_job_precision(config: Config, rt, schema, inputs, input_shape, steps_per_epoch: int,
-                       batching=None, compiles: dict | None = None):
-    """``measure_precision`` for the driver's job: the job's model on a held real batch."""
+                       batching=None, compiles: dict | None = None, *, engine_at):
+    """``measure_precision`` for the driver's job: the job's model on a held real batch
+    (``engine_at``: ``training.job.engine_at``, passed in: the job imports this module)."""
     import tensorflow as tf
 
     from tfspeed.data import ingraph, pipeline
-    from tfspeed.training.job import engine_at
 
     data = config.data
     if ingraph.is_in_step(inputs.train):
