@@ -13,7 +13,7 @@ from sklearn.datasets import load_digits
 
 import tfspeed.data
 from tfspeed.config import DataConfig
-from tfspeed.data import ops, pipeline
+from tfspeed.data import inputs, ops, pipeline
 from tfspeed.data import schema as schema_lib
 from tfspeed.errors import UsageError
 
@@ -304,7 +304,7 @@ def test_upscaling_every_stored_image_warns_once_per_split(photos_dir, digits_di
 
     shortest, longest = schema_lib.read(photos_dir).split("validation").image_sides
     assert longest == 40 and shortest < 32
-    pipeline._upscale_warned.clear()
+    inputs._upscale_warned.clear()
     with caplog.at_level(logging.WARNING):
         for _ in range(2):
             tfspeed.data.build(photos_dir, "validation", 4, image_size=48)

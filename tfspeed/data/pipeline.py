@@ -11,15 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import threading
 
 import tensorflow as tf
-from absl import logging
 
 from tfspeed.config import DataConfig
 from tfspeed.data import cache, ops, plan, sequences, service_client, text
 from tfspeed.data import schema as schema_lib
 from tfspeed.data.cache import cache_path  # noqa: F401 -- part of this module's API
+from tfspeed.data.inputs import check_input_fits, input_shape, is_image, warn_if_upscaled  # noqa: F401
 from tfspeed.data.plan import CachePlan, plan_cache  # noqa: F401 -- part of this module's API
 from tfspeed.data.reader import (  # noqa: F401 -- part of this module's API
     corruption_error,
@@ -57,14 +56,19 @@ def build(
       training: shuffle, augment, repeat forever and drop the last partial batch.
       input_context: from ``strategy.distribute_datasets_from_function``; shards the input.
       **options: any other ``DataConfig`` field (``image_size``, ``cache``, ``augment``,
-        ``image_dtype``, ...).
+        ``image_dtype``, ...). Text records take ``batching`` (``auto``, ``pad``,
+        ``bucket``, ``pack``), ``max_length`` (tokens a row holds) and ``tokens_per_batch``
+        (a token budget per batch; 0: ``batch_size`` texts a batch).
 
     Returns:
       A dataset of ``(inputs, labels)`` batches: images as float32 in [0, 1] (or uint8 with
       ``image_dtype="uint8"``, leaving the scaling to the model), tabular features
-      standardised with the train split's statistics, labels int32. A finite split
-      (``training=False``) declares its number of batches (``cardinality()``), from the
-      record counts in ``schema.json``.
+      standardised with the train split's statistics, labels int32. Text: inputs are the
+      dict of ``tokens``, ``segment_ids`` and ``positions``, labels the dict of ``label``
+      and ``weight``; the batching ``auto`` chose, and why, is logged and is
+      ``tfspeed.data.text.resolve(config, schema)``. A finite split (``training=False``)
+      declares its number of batches (``cardinality()``), from the record counts in
+      ``schema.json``.
     """
     config = DataConfig(data_dir=data_dir, batch_size=batch_size, **options).validate()
     return build_from_config(config, split, training=training, input_context=input_context)
@@ -94,8 +98,8 @@ def build_from_config(
     num_records = schema.split(split).num_records
     if num_records == 0:
         raise UsageError(f"split {split!r} of {config.data_dir} is empty; reconvert with more data")
-    _check_input_fits(schema, config)
-    _warn_if_upscaled(schema, config, split)
+    check_input_fits(schema, config)
+    warn_if_upscaled(schema, config, split)
     shuffle = training and config.shuffle
     deterministic = config.deterministic or not shuffle
     batch_size, num_pipelines, pipeline_id = config.batch_size, 1, 0
@@ -399,74 +403,6 @@ def _service_records(config, schema, split, num_pipelines, pipeline_id) -> int:
     # Each training worker has its own jobs over its own files: every record once per epoch
     # over all workers, and each worker can count what it should have received.
     return sum(counts)
-
-
-def input_shape(schema: schema_lib.Schema, config: DataConfig):
-    """The shape of one model input (no batch dimension) that the pipeline produces; a dict
-    name -> shape for several named inputs."""
-    if schema.named_inputs:
-        return {name: tuple(schema.features[name].shape) for name in schema.input_names}
-    if text.is_text(schema):
-        return text.input_spec()
-    feature = schema.input_feature
-    if is_image(feature) and config.image_size:
-        return (config.image_size, config.image_size, feature.shape[-1])
-    return tuple(feature.shape)
-
-
-def is_image(feature) -> bool:
-    """Encoded (JPEG/PNG) or raw (uint8, height × width × channels) images."""
-    return feature.is_image or (feature.dtype == "uint8" and len(feature.shape) == 3)
-
-
-def _check_input_fits(schema: schema_lib.Schema, config: DataConfig) -> None:
-    feature = schema.input_feature
-    if "random_resized_crop" in config.augment:
-        if feature.dtype != "uint8" or len(feature.shape) != 3:
-            raise UsageError("--augment=random_resized_crop needs image inputs; drop it")
-        if not config.image_size:
-            raise UsageError("--augment=random_resized_crop resizes its crop to --image_size: "
-                             "pass --image_size=N")
-    if feature.is_image and None in feature.shape[:2] and not config.image_size:
-        raise UsageError(
-            f"images in {config.data_dir} have varying sizes; pass --image_size=N to resize them "
-            "(or reconvert with --image_size or --image_max_side)"
-        )
-
-
-_upscale_warned: set = set()
-_upscale_lock = threading.Lock()
-
-
-def _warn_if_upscaled(schema: schema_lib.Schema, config: DataConfig, split: str) -> None:
-    """One warning per split when ``--image_size`` exceeds every stored image's longest
-    side: each image is then upscaled (more pixels to decode, move and train on, and no
-    more detail), which is easy to miss in a flagfile written for another conversion."""
-    feature = schema.input_feature
-    if schema.named_inputs or not config.image_size or not is_image(feature):
-        return
-    sides = schema.split(split).image_sides
-    if sides:
-        shortest, longest = int(sides[0]), int(sides[1])
-    elif None not in feature.shape[:2]:
-        shortest, longest = min(feature.shape[:2]), max(feature.shape[:2])
-    else:
-        return  # sizes not recorded (an older schema): nothing to compare
-    requested = config.image_size
-    if requested <= longest:
-        return
-    key = (os.path.abspath(config.data_dir), split, requested)
-    with _upscale_lock:
-        if key in _upscale_warned:
-            return
-        _upscale_warned.add(key)
-    stored = f"{longest} px" if shortest == longest else f"{shortest}-{longest} px"
-    factor = (requested / longest) ** 2
-    logging.warning(
-        "--image_size=%d upscales every image of split %r of %s, stored at %s a side "
-        "(%s× the pixels of the largest, no new detail): convert with --image_size=%d, "
-        "or lower --image_size to %d", requested, split, config.data_dir, stored,
-        f"{factor:.1f}" if factor < 10 else f"{factor:.0f}", requested, longest)
 
 
 def _label_message(schema, config) -> str:
