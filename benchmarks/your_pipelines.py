@@ -12,7 +12,9 @@ alone over ``--epochs`` whole epochs (a run), in elements/s including everything
 (``optimize``'s own timing and storing included):
   original   the pipeline as written;
   first      ``tfspeed.optimize(ds)`` with an empty store (the first run: it stores as it goes);
-  later      ``tfspeed.optimize(ds)`` again, on the store the first run left (a later run).
+  later      ``tfspeed.optimize(ds)`` on the store the first run left: the second run, which
+             also times the store against the pipeline as written (once per store);
+  again      a third run, which reads that timing instead.
 Each contender also hashes every example of its first epoch: the multisets must be equal (for
 the augmented pipeline, which is random by design, the element counts).
 End-to-end timings with a model are not part of this benchmark yet. Prints one JSON record.
@@ -154,6 +156,7 @@ PIPELINES = {f.__name__: f for f in (keras_tutorial, list_files_map, list_files_
                                       csv_lines, generator_pil)}
 
 
+MODES = ("original", "first", "later", "again")
 RANDOM = {"list_files_augment"}  # random ops after the decode: elements differ every epoch
 
 
@@ -225,11 +228,11 @@ def main(argv):
         return
     prepare(root, _IMAGES.value)
     names = _ONLY.value or list(PIPELINES)
-    runs = {n: {m: [] for m in ("original", "first", "later")} for n in names}
+    runs = {n: {m: [] for m in MODES} for n in names}
     for r in range(_ROUNDS.value):
         for name in names:
             store = os.path.join(root, f"store-{name}-{r}")
-            for mode in ("original", "first", "later"):  # first, then later, on one store
+            for mode in MODES:  # first, later and again on one store
                 runs[name][mode].append(bench.run_contender(
                     [sys.executable, os.path.abspath(__file__), f"--run={name}:{mode}:{store}",
                      f"--workdir={root}", f"--epochs={_EPOCHS.value}"], f"{name}/{mode}"))
@@ -246,11 +249,12 @@ def main(argv):
                                                   for x in xs}) == 1
         figures[name]["verdicts"] = sorted({x["verdict"] for xs in modes.values() for x in xs
                                             if x["verdict"]})
-        for m in ("first", "later"):
+        for m in MODES[1:]:
             ratios[f"{name}: {m}/original"] = (figures[name][m]["median"]
                                                / figures[name]["original"]["median"])
-    later = [ratios[f"{n}: later/original"] for n in names]
-    ratios["median over pipelines: later/original"] = statistics.median(later)
+    for m in ("later", "again"):
+        ratios[f"median over pipelines: {m}/original"] = statistics.median(
+            ratios[f"{n}: {m}/original"] for n in names)
     config = {"rounds": _ROUNDS.value, "epochs_per_run": _EPOCHS.value,
               "images": _IMAGES.value, "image_size": SIZE,
               "data": "photos cut from scikit-learn/scikit-image samples (256-512 px, JPEG q90), "
