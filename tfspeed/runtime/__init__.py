@@ -227,8 +227,8 @@ def for_batching(runtime: Runtime, config: RuntimeConfig, batching: str) -> Runt
 
 
 def _resolve_jax(config: RuntimeConfig, hw: Hardware) -> Plan:
-    """``resolve`` on JAX: data parallelism over the devices instead of a strategy, every
-    step compiled (jit), and no float16 loss scaling (bfloat16 where the hardware has it)."""
+    """``resolve`` on JAX: data parallel over the devices, every step jitted, no float16 loss
+    scaling (bfloat16 where the hardware has it)."""
     if config.precision == "mixed_float16":
         raise UsageError("--precision=mixed_float16 needs loss scaling, which tfspeed runs on "
                          "the TensorFlow backend; on JAX use --precision=auto "
@@ -236,8 +236,7 @@ def _resolve_jax(config: RuntimeConfig, hw: Hardware) -> Plan:
     if config.strategy == "multi_worker":
         raise UsageError("--strategy=multi_worker runs on the TensorFlow backend; on JAX train "
                          "on one host's devices (--strategy=mirrored)")
-    plan = resolve(dataclasses.replace(config, xla="on"),
-                   dataclasses.replace(hw, cluster_tasks=0))
+    plan = resolve(dataclasses.replace(config, xla="on"), dataclasses.replace(hw, cluster_tasks=0))
     reasons = dict(plan.reasons)
     if hw.cluster_tasks > 1:
         reasons["strategy"] += "; TF_CONFIG's cluster is TensorFlow's: ignored on JAX"
@@ -246,8 +245,7 @@ def _resolve_jax(config: RuntimeConfig, hw: Hardware) -> Plan:
         precision = "float32"
         reasons["precision"] = ("auto: this GPU has float16 but not bfloat16 tensor cores, and "
                                 "float16 loss scaling runs on the TensorFlow backend: float32")
-    reasons["xla"] = ("JAX compiles every step (jit)" if config.xla != "off" else
-                      "--xla=off has no effect on JAX: every step is compiled (jit)")
+    reasons["xla"] = "JAX jits each step" + (" (--xla=off ignored)" if config.xla == "off" else "")
     return dataclasses.replace(plan, precision=precision, loss_scale=False, xla=True,
                                reasons=reasons, backend="jax")
 

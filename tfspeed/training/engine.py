@@ -36,6 +36,7 @@ import keras
 import tensorflow as tf
 from absl import logging
 
+from tfspeed.training.engine_readings import EngineReadings
 from tfspeed.training.engine_state import (  # noqa: F401 -- EngineOptions re-exported
     EngineOptions,
     EngineState,
@@ -57,7 +58,7 @@ def _all_finite(variables) -> tf.Tensor:
 _ONLY_FIRST = tf.VariableAggregation.ONLY_FIRST_REPLICA
 
 
-class Engine:
+class Engine(EngineReadings):
     """Trains a Keras model with a custom loop; see the module docstring for the design.
 
     Args:
@@ -237,47 +238,6 @@ class Engine:
         floats = [v.value for v in self.model.variables + self.optimizer.variables
                   if tf.as_dtype(v.dtype).is_floating]
         return bool(_all_finite(floats))
-
-    @property
-    def learning_rate(self):
-        """The optimizer's current learning rate (its schedule at this update), as a value:
-        under tf.distribute the optimizer's is a MirroredVariable, which float() refuses."""
-        rate = self.optimizer.learning_rate
-        return rate.numpy() if hasattr(rate, "numpy") else rate
-
-    @property
-    def updates(self) -> tf.Tensor:
-        """Optimizer updates applied so far."""
-        return self.optimizer.iterations.value.read_value()
-
-    @property
-    def micro_steps(self) -> tf.Tensor:
-        """Micro-batches trained on so far (int64 scalar)."""
-        return self._state.micro_steps.read_value()
-
-    @property
-    def skipped_updates(self) -> tf.Tensor:
-        """Updates skipped because their gradients were not finite (loss scaling only)."""
-        return self._state.skipped_updates.read_value()
-
-    @property
-    def first_nonfinite_loss(self) -> tuple[tf.Tensor, tf.Tensor]:
-        """`(micro-step, loss)` of the first micro-step whose loss was NaN or Inf; micro-step 0
-        if none was. Recorded on the device each step without a host sync; not tracked with
-        loss scaling, where non-finite steps are skipped instead."""
-        return self._nonfinite_step.read_value(), self._nonfinite_loss.read_value()
-
-    @property
-    def compiled_functions(self) -> int:
-        """Traces of the training step (`train` and `train_one`) so far: one per input
-        signature, so batches of static shapes (one per bucket) give at most one each."""
-        return sum(int(f.experimental_get_tracing_count())
-                   for f in (self._train_fn, self._train_one_fn))
-
-    @property
-    def loss_scale(self) -> tf.Tensor:
-        """The current dynamic loss scale (1.0 without loss scaling)."""
-        return self._scale()
 
     # ---------------------------------------------------------------- replica context
     def _replica_forward(self, x, y, training: bool = False):
