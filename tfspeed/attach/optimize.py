@@ -49,15 +49,13 @@ class Report:
         return f"tfspeed.optimize: {self.verdict}{rates}"
 
 
-def optimize(dataset, model=None, *, cache_dir: str | None = None,
+def optimize(dataset, *, cache_dir: str | None = None,
              ram_budget_mb: float | None = None, probe_seconds: float = PROBE_SECONDS,
              quiet: bool = False):
     """Returns ``dataset`` faster: the same ``element_spec`` and the same elements.
 
     Args:
       dataset: a ``tf.data.Dataset``, as the script builds it.
-      model: unused for now (kept for the uint8 rewrite, which needs the model); when given,
-        ``(dataset, model)`` is returned.
       cache_dir: where stores go; default ``$TFSPEED_CACHE_DIR`` or ``~/.cache/tfspeed``.
       ram_budget_mb: the most a stored part may also hold in RAM (later epochs read it
         there); default a quarter of the memory available now.
@@ -84,7 +82,7 @@ def optimize(dataset, model=None, *, cache_dir: str | None = None,
     out.tfspeed_report = report
     if not quiet:
         print(report.line(), file=sys.stderr)
-    return (out, model) if model is not None else out
+    return out
 
 
 def _rewrite(dataset, report: Report, cache_dir, ram_budget_mb, probe_seconds):
