@@ -42,10 +42,10 @@ from tfspeed.training.engine_state import (  # noqa: F401 -- EngineOptions re-ex
     EngineState,
     check_arguments,
     ensure_cpu_devices,
-    fill_empty_rows,
     sparse_accuracy,
     token_counts,
 )
+from tfspeed.training.step import StepMath
 
 LossFn = Callable[[tf.Tensor, tf.Tensor], tf.Tensor]
 _SUM = tf.distribute.ReduceOp.SUM
@@ -119,6 +119,9 @@ class Engine(EngineReadings):
         self.weighted = weighted
         self._weight_scale = float(weight_scale or global_batch_size)
         self._variables = list(model.trainable_variables)
+        self._math = StepMath(loss_fn, self._metrics, weighted, self._weight_scale,
+                              global_batch_size, strategy.num_replicas_in_sync,
+                              options.grad_accum_steps)
         with strategy.scope():
             if not optimizer.built:
                 optimizer.build(self._variables)
@@ -193,14 +196,10 @@ class Engine(EngineReadings):
             `{"loss": float, <metric>: float, ...}`; weighted: sums over the dataset divided
             by its weight sum.
         """
-        totals = tf.zeros([len(self._metrics) + 2])
+        totals = self._math.empty_figures()
         for batch in itertools.islice(dataset, steps):
             totals += self._eval_fn(batch)  # stays on device until the loop ends
-        loss_sum, *sums, count = totals.numpy().tolist()
-        if count == 0:
-            raise ValueError("Engine.evaluate: the dataset yielded no examples")
-        return {"loss": loss_sum / count,
-                **{name: total / count for name, total in zip(self._metrics, sums, strict=True)}}
+        return self._math.evaluation(totals.numpy().tolist(), "Engine")
 
     @property
     def checkpoint_items(self) -> dict[str, tf.Module]:
@@ -241,48 +240,24 @@ class Engine(EngineReadings):
 
     # ---------------------------------------------------------------- replica context
     def _replica_forward(self, x, y, training: bool = False):
-        """This replica's summed per-example loss, regularisation loss, summed per-example
-        metrics (a vector, in ``metric_names`` order) and example count (weighted: the sum
-        of the weights)."""
-        if self.weighted:
-            x = fill_empty_rows(x, y["weight"])
-        outputs = tf.cast(self.model(self._preprocess(x), training=training), tf.float32)
-        per_example = tf.cast(self._loss_fn(y, outputs), tf.float32)
-        if not self.weighted and per_example.shape.rank != 1:
-            raise ValueError(
-                "loss_fn must return one loss per example (no reduction), got shape "
-                f"{per_example.shape}"
-            )
-        reg = tf.add_n([tf.cast(r, tf.float32) for r in self.model.losses] or [tf.constant(0.0)])
-        sums = [tf.reduce_sum(tf.cast(fn(y, outputs), tf.float32))
-                for fn in self._metrics.values()]
-        count = (tf.reduce_sum(tf.cast(y["weight"], tf.float32)) if self.weighted
-                 else tf.cast(tf.shape(per_example)[0], tf.float32))
-        return tf.reduce_sum(per_example), reg, tf.stack(sums) if sums else tf.zeros([0]), count
+        """This replica's summed loss, regularisation, metric sums and count
+        (``StepMath.sums``)."""
+        outputs = self.model(self._preprocess(self._math.inputs(x, y)), training=training)
+        return self._math.sums(y, outputs, self.model.losses)
 
     def _replica_forward_backward(self, x, y):
-        """Scaled gradients and metrics `[loss share, *metric sums, count]` (weighted: `[loss
-        sum, *metric sums, weight sum]`); what `xla=True` compiles."""
+        """Scaled gradients and the step's figures (``StepMath.figures``); what ``xla=True``
+        compiles."""
         with tf.GradientTape() as tape:
             loss_sum, reg, sums, count = self._replica_forward(x, y, training=True)
-            if self.weighted:
-                # The regularisation weighted by this micro-batch's weight: times
-                # weight_scale / W at apply time, the shares add up to it once.
-                loss_sum = loss_sum + reg * count
-                loss = loss_sum / self._weight_scale
-            else:
-                # As tf.nn.compute_average_loss / scale_regularization_loss: the SUM over
-                # replicas of these shares is the global mean loss plus the regularisation.
-                loss = (loss_sum / self._global_batch_size
-                        + reg / self.strategy.num_replicas_in_sync)
+            loss, reported = self._math.objective(loss_sum, reg, count)
             scaled_loss = loss * self._scale() if self.options.loss_scale else loss
         grads = tape.gradient(scaled_loss, self._variables)
         missing = [v.path for g, v in zip(grads, self._variables, strict=True) if g is None]
         if missing:
             raise ValueError(f"no gradient for {missing}: mark them trainable=False")
-        reported = loss_sum if self.weighted else loss
         return ([tf.convert_to_tensor(g) for g in grads],
-                tf.concat([[reported], sums, [count]], 0))
+                self._math.figures(reported, sums, count))
 
     def _replica_grads(self, x, y):
         grads, metrics = self._forward_backward(x, y)
@@ -310,13 +285,12 @@ class Engine(EngineReadings):
         """Undoes the loss scale and averages over the K micro-batches, in one multiply
         (weighted: `factor`, from `_weight_factor`)."""
         if factor is None:
-            factor = 1.0 / (self._scale() * self.options.grad_accum_steps)
-        return [g * tf.cast(factor, g.dtype) for g in grads]
+            factor = self._math.apply_factor(scale=self._scale())
+        return self._math.scaled(grads, factor)
 
     def _weight_factor(self, weight):
-        """Scaled sums of an update over `weight_scale` -> its weighted mean's gradients:
-        `weight_scale / (scale * W)` (0 when W = 0; that update is skipped)."""
-        return tf.math.divide_no_nan(tf.constant(self._weight_scale), self._scale() * weight)
+        """Scaled sums of an update over `weight_scale` -> its weighted mean's gradients."""
+        return self._math.apply_factor(weight, self._scale())
 
     def _scale(self) -> tf.Tensor:
         return self._state.loss_scale.read_value() if self.options.loss_scale else tf.constant(1.0)
@@ -328,7 +302,7 @@ class Engine(EngineReadings):
         return list(self._metrics)
 
     def _train_execution(self, iterator, steps):
-        totals = tf.zeros([len(self._metrics) + 2])  # loss, metric sums, count
+        totals = self._math.empty_figures()  # loss, metric sums, count
         tokens = tf.zeros([3], tf.int64)  # real, computed, sequences
         waited = tf.constant(0.0, tf.float64)
 
@@ -347,7 +321,7 @@ class Engine(EngineReadings):
         if hasattr(iterator, "replica_batch"):  # in-graph input: nothing to wait for
             metrics, tokens = self._micro_step(None, None, iterator)
             if not self.options.loss_scale:
-                self._record_nonfinite(self._step_loss(metrics))
+                self._record_nonfinite(self._math.step_loss(metrics))
             return metrics, tokens, tf.constant(0.0, tf.float64)
         # Host time spent inside get_next: ~0 when prefetch keeps up, the stall otherwise.
         # The timestamps are ordered around it by control dependencies; no host sync.
@@ -358,37 +332,23 @@ class Engine(EngineReadings):
             wait = tf.timestamp() - before
         metrics, tokens = self._micro_step(x, y)
         if not self.options.loss_scale:
-            self._record_nonfinite(self._step_loss(metrics))
+            self._record_nonfinite(self._math.step_loss(metrics))
         return metrics, tokens, wait
 
-    def _step_loss(self, metrics):
-        """A micro-step's loss from its reduced metrics (weighted: sum / weight sum)."""
-        if not self.weighted:
-            return metrics[0]
-        return metrics[0] / tf.where(metrics[-1] > 0, metrics[-1], 1.0)
-
     def _record_nonfinite(self, loss):
-        # Branch-free (a tiny assign per step): cheaper than a cond inside the step loop.
-        first = tf.logical_and(self._nonfinite_step.read_value() == 0,
-                               tf.logical_not(tf.math.is_finite(loss)))
-        self._nonfinite_step.assign(tf.where(first, self._state.micro_steps.read_value(),
-                                             self._nonfinite_step.read_value()))
-        self._nonfinite_loss.assign(tf.where(first, loss, self._nonfinite_loss.read_value()))
+        step, loss = self._math.first_nonfinite(
+            self._state.micro_steps.read_value(), self._nonfinite_step.read_value(),
+            self._nonfinite_loss.read_value(), loss)
+        self._nonfinite_step.assign(step)
+        self._nonfinite_loss.assign(loss)
 
     def _outputs(self, totals, tokens, waited, steps):
         return {
-            # divide_no_nan: a call of 0 steps (it times the call overhead) reports zeros.
-            "loss": tf.math.divide_no_nan(
-                totals[0], totals[-1] if self.weighted else tf.cast(steps, tf.float32)),
-            **{name: tf.math.divide_no_nan(totals[1 + i], totals[-1])
-               for i, name in enumerate(self._metrics)},
+            **self._math.outputs(totals, tokens, steps),
             "updates": self.optimizer.iterations.value.read_value(),
             "skipped": self._state.skipped_updates.read_value(),
             "loss_scale": self._scale(),
             "input_wait_s": waited,
-            "real_tokens": tokens[0],
-            "computed_tokens": tokens[1],
-            "sequences": tokens[2],
         }
 
     def _micro_step(self, x, y, source=None):
@@ -414,11 +374,7 @@ class Engine(EngineReadings):
         metrics, tokens = self.strategy.run(accumulate_fn, args=args)
         # Decided here, in cross-replica context, never by a cond in replica context
         # around apply_gradients (keras#20582).
-        tf.cond(
-            micro_steps % self.options.grad_accum_steps == 0,
-            self._apply_accumulated,
-            lambda: None,
-        )
+        tf.cond(self._math.update_is_due(micro_steps), self._apply_accumulated, lambda: None)
         return self._reduce(metrics), self._reduce_tokens(tokens)
 
     def _reduce(self, per_replica):
@@ -455,29 +411,29 @@ class Engine(EngineReadings):
                 self.optimizer.apply_gradients(zip(grads, self._variables, strict=True))
                 return
             # After the all-reduce every replica holds the same sum: one check decides for all.
-            finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in grads])
-            tf.cond(finite, lambda: self._apply_finite(grads), self._skip_update)
+            tf.cond(self._math.all_finite(grads), lambda: self._apply_finite(grads), self._skip_update)
 
         if weight is None:
             update()
         else:  # no real element in the update: nothing to learn, skipped (scale unchanged)
-            tf.cond(weight > 0, update, self._skip_empty_update)
+            tf.cond(self._math.has_weight(weight), update, self._skip_empty_update)
 
     def _skip_empty_update(self):
         self._state.skipped_updates.assign_add(1)
 
     def _apply_finite(self, grads):
         self.optimizer.apply_gradients(zip(grads, self._variables, strict=True))
-        state, interval = self._state, self.options.loss_scale_growth_interval
-        good = state.good_steps + 1
-        grow = good >= interval
-        state.loss_scale.assign(tf.where(grow, state.loss_scale * 2.0, state.loss_scale))
-        state.good_steps.assign(tf.where(grow, tf.constant(0, tf.int64), good))
+        state = self._state
+        scale, good = self._math.loss_scale_after_finite(
+            state.loss_scale.read_value(), state.good_steps.read_value(),
+            self.options.loss_scale_growth_interval)
+        state.loss_scale.assign(scale)
+        state.good_steps.assign(good)
 
     def _skip_update(self):
         state = self._state
         state.skipped_updates.assign_add(1)
-        state.loss_scale.assign(tf.maximum(state.loss_scale / 2.0, 1.0))
+        state.loss_scale.assign(self._math.loss_scale_after_skip(state.loss_scale.read_value()))
         state.good_steps.assign(0)
 
     def _eval_step(self, batch):
@@ -487,10 +443,9 @@ class Engine(EngineReadings):
 
     def _replica_eval(self, x, y):
         def forward():
-            loss_sum, reg, sums, count = self._forward(x, y)
-            return tf.concat([[loss_sum + reg * count], sums, [count]], 0)
+            return self._math.eval_figures(*self._forward(x, y))
 
         # An uneven last batch leaves some replicas an empty one (tf.distribute splits the
         # partial batch and pads with empty batches across workers); it adds nothing.
-        empty = tf.zeros([len(self._metrics) + 2])
-        return tf.cond(tf.shape(tf.nest.flatten(y)[0])[0] > 0, forward, lambda: empty)
+        return tf.cond(tf.shape(tf.nest.flatten(y)[0])[0] > 0, forward,
+                       self._math.empty_figures)

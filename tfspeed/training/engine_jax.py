@@ -36,10 +36,11 @@ import jax
 import jax.numpy as jnp
 import keras
 import numpy as np
-from keras import ops, tree
+from keras import tree
 
 from tfspeed.training import batch_ops
 from tfspeed.training.engine_state import EngineOptions, check_arguments
+from tfspeed.training.step import StepMath
 
 LossFn = Callable
 
@@ -68,6 +69,9 @@ class JaxEngine:
                              else metrics)
         self._global_batch_size = global_batch_size
         self._weight_scale = float(weight_scale or global_batch_size)
+        # The loss is the global batch's (the batch is sharded, not split): one replica.
+        self._math = StepMath(loss_fn, self._metrics, weighted, self._weight_scale,
+                              global_batch_size, 1, options.grad_accum_steps)
         if not optimizer.built:
             optimizer.build(model.trainable_variables)
         self._placement = _Placement(devices)
@@ -203,11 +207,7 @@ class JaxEngine:
         for batch in itertools.islice(dataset, steps):
             x, y = self._placement.batch(_to_numpy(batch))
             totals += np.asarray(self._eval(state, x, y))
-        loss_sum, *sums, count = totals.tolist()
-        if count == 0:
-            raise ValueError("JaxEngine.evaluate: the dataset yielded no examples")
-        return {"loss": loss_sum / count,
-                **{name: total / count for name, total in zip(self._metrics, sums, strict=True)}}
+        return self._math.evaluation(totals.tolist(), "JaxEngine")
 
     @property
     def metric_names(self) -> list[str]:
@@ -277,72 +277,51 @@ class JaxEngine:
 
     # ---------------------------------------------------------------- the pure step
     def _forward(self, trainable, non_trainable, x, y, training: bool):
-        """Summed loss (+ regularisation), metric sums, count; and the new non-trainables."""
-        if self.weighted:
-            x = batch_ops.fill_empty_rows(x, y["weight"])
+        """``StepMath.sums`` of the batch, and the new non-trainables."""
         outputs, non_trainable, losses = self.model.stateless_call(
-            trainable, non_trainable, self._preprocess(x), training=training,
-            return_losses=True)
-        outputs = ops.cast(outputs, "float32")
-        per_example = ops.cast(self._loss_fn(y, outputs), "float32")
-        reg = sum((ops.cast(loss, "float32") for loss in losses), jnp.zeros([], jnp.float32))
-        sums = jnp.stack([ops.sum(ops.cast(fn(y, outputs), "float32"))
-                          for fn in self._metrics.values()]) if self._metrics else \
-            jnp.zeros([0], jnp.float32)
-        count = (ops.sum(ops.cast(y["weight"], "float32")) if self.weighted
-                 else jnp.asarray(per_example.shape[0], jnp.float32))
-        return ops.sum(per_example), reg, sums, count, non_trainable
+            trainable, non_trainable, self._preprocess(self._math.inputs(x, y)),
+            training=training, return_losses=True)
+        return (*self._math.sums(y, outputs, losses), non_trainable)
 
     def _micro_step(self, state: dict, x, y):
         """One micro-batch: gradients accumulated, the update applied every K-th."""
-        def scaled_loss(trainable):
+        def loss(trainable):
             loss_sum, reg, sums, count, non_trainable = self._forward(
                 trainable, state["non_trainable"], x, y, training=True)
-            if self.weighted:  # exact: rescaled by weight_scale / W at apply time
-                loss = (loss_sum + reg * count) / self._weight_scale
-                reported = loss_sum
-            else:
-                loss = loss_sum / self._global_batch_size + reg
-                reported = loss
+            loss, reported = self._math.objective(loss_sum, reg, count)
             return loss, (reported, sums, count, non_trainable)
 
         grads, (reported, sums, count, non_trainable) = jax.grad(
-            scaled_loss, has_aux=True)(state["trainable"])
+            loss, has_aux=True)(state["trainable"])
         state = {**state, "non_trainable": non_trainable,
                  "micro_steps": state["micro_steps"] + 1}
-        k = self.options.grad_accum_steps
-        if k > 1:
+        if self.options.grad_accum_steps > 1:
             state["accumulators"] = [a + g.astype(jnp.float32)
                                      for a, g in zip(state["accumulators"], grads, strict=True)]
             state["weight_sum"] = state["weight_sum"] + count
-            state = jax.lax.cond(state["micro_steps"] % k == 0, self._apply_accumulated,
-                                 lambda s: s, state)
+            state = jax.lax.cond(self._math.update_is_due(state["micro_steps"]),
+                                 self._apply_accumulated, lambda s: s, state)
         else:
             state = self._apply(state, grads, count)
-        metrics = jnp.concatenate([jnp.stack([reported]), sums, jnp.stack([count])])
-        loss = reported / jnp.where(count > 0, count, 1.0) if self.weighted else reported
-        first = jnp.logical_and(state["nonfinite_step"] == 0, ~jnp.isfinite(loss))
-        state["nonfinite_step"] = jnp.where(first, state["micro_steps"], state["nonfinite_step"])
-        state["nonfinite_loss"] = jnp.where(first, loss, state["nonfinite_loss"])
+        metrics = self._math.figures(reported, sums, count)
+        state["nonfinite_step"], state["nonfinite_loss"] = self._math.first_nonfinite(
+            state["micro_steps"], state["nonfinite_step"], state["nonfinite_loss"],
+            self._math.step_loss(metrics))
         tokens = batch_ops.token_counts(x)
         tokens = jnp.zeros([3], jnp.int32) if tokens is None else tokens
         return state, metrics, tokens
 
     def _apply_accumulated(self, state: dict) -> dict:
-        state = self._apply(state, state["accumulators"], state["weight_sum"], accumulated=True)
+        state = self._apply(state, state["accumulators"], state["weight_sum"])
         state["accumulators"] = [jnp.zeros_like(a) for a in state["accumulators"]]
         state["weight_sum"] = jnp.zeros([], jnp.float32)
         return state
 
-    def _apply(self, state: dict, grads, weight, accumulated: bool = False) -> dict:
+    def _apply(self, state: dict, grads, weight) -> dict:
         """Applies one update: unweighted, the mean of K micro-batches' gradients; weighted,
         their sum times ``weight_scale / W``, skipped when W = 0."""
-        if self.weighted:
-            factor = jnp.where(weight > 0, self._weight_scale / jnp.maximum(weight, 1e-30), 0.0)
-        else:
-            factor = jnp.asarray(1.0 / self.options.grad_accum_steps if accumulated else 1.0)
-        trainable = state["trainable"]
-        grads = [(g * factor).astype(v.dtype) for g, v in zip(grads, trainable, strict=True)]
+        grads = self._math.scaled(grads, self._math.apply_factor(weight),
+                                  [v.dtype for v in state["trainable"]])
 
         def update(s):
             new_trainable, new_optimizer = self.optimizer.stateless_apply(
@@ -354,7 +333,7 @@ class JaxEngine:
 
         if not self.weighted:
             return update(state)
-        return jax.lax.cond(weight > 0, update, skip, state)
+        return jax.lax.cond(self._math.has_weight(weight), update, skip, state)
 
     def _run_steps(self, state: dict, batches, n, totals, tokens, steps):
         """``n`` micro-steps over the first n of ``batches`` (stacked along axis 0), adding
@@ -372,21 +351,16 @@ class JaxEngine:
 
     def _eval_sums(self, state, x, y):
         trainable, non_trainable = state
-        loss_sum, reg, sums, count, _ = self._forward(trainable, non_trainable, x, y,
-                                                      training=False)
-        return jnp.concatenate([jnp.stack([loss_sum + reg * count]), sums, jnp.stack([count])])
+        *sums, _ = self._forward(trainable, non_trainable, x, y, training=False)
+        return self._math.eval_figures(*sums)
 
     def _outputs(self, state, totals, tokens, steps, waited=None) -> dict:
         """What ``train`` returns (traced inside ``_run_steps``; eagerly for a call of 0)."""
-        count = totals[-1] if self.weighted else jnp.maximum(steps, 1.0)
         out = {
-            "loss": jnp.where(count > 0, totals[0] / jnp.where(count > 0, count, 1.0), 0.0),
-            **{name: jnp.where(totals[-1] > 0, totals[1 + i] / jnp.where(
-                totals[-1] > 0, totals[-1], 1.0), 0.0) for i, name in enumerate(self._metrics)},
+            **self._math.outputs(totals, tokens, steps),
             "updates": state["optimizer"][0],  # the optimizer's iteration counter
             "skipped": state["skipped"],
             "loss_scale": jnp.ones([], jnp.float32),
-            "real_tokens": tokens[0], "computed_tokens": tokens[1], "sequences": tokens[2],
         }
         return out if waited is None else {**out, "input_wait_s": waited}
 
