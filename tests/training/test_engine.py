@@ -1,4 +1,4 @@
-"""Tests for tfspeed.training.engine on real TF: 1 replica and MirroredStrategy over 2 logical CPUs.
+"""Tests for the TensorFlow engine (tfspeed.training.backends.tensorflow) on real TF: 1 replica and MirroredStrategy over 2 logical CPUs.
 
 Tiny model (Dense(8)->Dense(3)), fixed weights, fixed data order, no shuffling. Max abs weight
 differences measured on the 2-core CPU box (TF 2.21, Keras 3.15) are noted next to each tolerance.
@@ -6,12 +6,18 @@ differences measured on the 2-core CPU box (TF 2.21, Keras 3.15) are noted next 
 
 import functools
 import itertools
+import json
 import os
+import subprocess
+import sys
 
 import pytest
 
+from tests.conftest import REPO
+from tests.training import engine_checks
+from tests.training import jax_runs as jr
 from tfspeed.runtime import mirrored_strategy
-from tfspeed.training import engine as eng_lib
+from tfspeed.training.backends import tensorflow as eng_lib
 
 eng_lib.ensure_cpu_devices(2)  # before any op runs in this process
 
@@ -91,12 +97,12 @@ def _engine(
     global_batch_size,
     loss_fn=_loss_from_logits,
     **options,
-) -> eng_lib.Engine:
+) -> eng_lib.TensorFlowEngine:
     keras.mixed_precision.set_global_policy(policy)
     strategy = _strategy(strategy_name)
     with strategy.scope():
         model, opt = _model(), _OPTIMIZERS[optimizer]()
-    return eng_lib.Engine(
+    return eng_lib.TensorFlowEngine(
         model,
         opt,
         strategy,
@@ -106,20 +112,20 @@ def _engine(
     )
 
 
-def _iterator(engine: eng_lib.Engine, batch: int, data=None):
+def _iterator(engine: eng_lib.TensorFlowEngine, batch: int, data=None):
     x, y = _data() if data is None else data
     ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch, drop_remainder=True).repeat()
     return iter(engine.strategy.experimental_distribute_dataset(ds))
 
 
-def _train(engine: eng_lib.Engine, micro_steps: int, data=None) -> dict:
+def _train(engine: eng_lib.TensorFlowEngine, micro_steps: int, data=None) -> dict:
     spe = engine.options.steps_per_execution
     assert micro_steps % spe == 0
     it = _iterator(engine, engine._global_batch_size, data)
     return [engine.train(it) for _ in range(micro_steps // spe)]
 
 
-def _weights(engine: eng_lib.Engine) -> list[np.ndarray]:
+def _weights(engine: eng_lib.TensorFlowEngine) -> list[np.ndarray]:
     """The weights, after checking that every replica holds the same copy."""
     out = []
     for v in engine.model.trainable_variables:
@@ -369,7 +375,7 @@ def test_evaluate_matches_keras_on_partial_batches(strategy):
     s = _strategy(strategy)
     with s.scope():  # a softmax model and a loss on probabilities this time
         model, opt = _model(softmax=True), keras.optimizers.SGD(0.1)
-    engine = eng_lib.Engine(
+    engine = eng_lib.TensorFlowEngine(
         model, opt, s, keras.losses.sparse_categorical_crossentropy, global_batch_size=8
     )
     x, y = _data(20)  # batches of 8, 8, 4: the last one is split 2+2 (or 4) over replicas
@@ -396,7 +402,7 @@ def test_rejects_what_fails_under_tf_distribute():
         (outside, "strategy.scope"),
     ]:
         with pytest.raises(ValueError, match=message):
-            eng_lib.Engine(model, opt, mirrored, _loss_from_logits, global_batch_size=8)
+            eng_lib.TensorFlowEngine(model, opt, mirrored, _loss_from_logits, global_batch_size=8)
     with pytest.raises(ValueError, match="grad_accum_steps"):
         eng_lib.EngineOptions(grad_accum_steps=0)
 
@@ -406,3 +412,34 @@ def test_loss_fn_must_not_reduce():
     engine = _engine(global_batch_size=8, loss_fn=reducing)
     with pytest.raises(ValueError, match="one loss per example"):
         _train(engine, 1)
+
+
+# The same checks on each backend's engine adapter -------------------------------------------
+@functools.cache
+def _checks(backend: str) -> dict:
+    """``engine_checks.run()`` on ``backend``: here for TensorFlow, a JAX process for JAX."""
+    if backend == "tensorflow":
+        return engine_checks.run()
+    done = subprocess.run([sys.executable, "-m", "tests.training.engine_checks"], cwd=REPO,
+                          env=jr.env(), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("backend", ["tensorflow", "jax"])
+def test_each_backend_accumulates_exactly_and_records_the_first_nonfinite_loss(backend):
+    checks = _checks(backend)
+    assert checks["backend"] == backend and checks["is_engine"]
+    # Measured: 3e-8 on both backends (float32 summation order).
+    assert checks["accumulated_vs_big"] < 1e-6
+    assert checks["updates"] == 3 and checks["micro_steps"] == 12
+    assert checks["nonfinite_step"] == 3 and not checks["nonfinite_loss_finite"]
+
+
+def test_backends_train_and_evaluate_alike():
+    """One step written once: both backends' engines give the same evaluation after the
+    same training (float32, same data order)."""
+    tf_eval, jax_eval = _checks("tensorflow")["evaluate"], _checks("jax")["evaluate"]
+    assert tf_eval.keys() == jax_eval.keys() == {"loss", "accuracy"}
+    assert jax_eval["loss"] == pytest.approx(tf_eval["loss"], rel=1e-5)
+    assert jax_eval["accuracy"] == tf_eval["accuracy"]

@@ -8,7 +8,7 @@ import tensorflow as tf
 import tfspeed.data
 from tfspeed.config import ModelConfig
 from tfspeed.training import models
-from tfspeed.training.engine import Engine
+from tfspeed.training.backends.tensorflow import TensorFlowEngine as Engine
 
 
 def _cross_entropy(labels, logits):

@@ -19,7 +19,8 @@ from tfspeed.config import RuntimeConfig, TrainConfig
 from tfspeed.errors import UsageError
 from tfspeed.runtime import Runtime, detect_hardware, mirrored_strategy, resolve
 from tfspeed.training import objectives, report, trainer, transformer
-from tfspeed.training.engine import Engine, EngineOptions
+from tfspeed.training.backends.tensorflow import TensorFlowEngine as Engine
+from tfspeed.training.engine import EngineOptions
 from tfspeed.training.meters import ThroughputMeter
 
 VOCAB, CLASSES, LENGTH, ROWS = 300, 4, 40, 2  # ROWS: rows per micro-batch (1 per replica)

@@ -167,7 +167,8 @@ def _runtime(strategy, config, model):
     from tfspeed import runtime
 
     built = isinstance(model, keras.Model)
-    jax = runtime.backend() == "jax"  # the engine places the arrays: no scope to build in
+    # Without tf.distribute the engine places the arrays: no strategy object, no scope.
+    jax = not runtime.backends.current().tf_distribute
     if built:  # its layers have their dtypes already
         config = dataclasses.replace(config, precision=model.dtype_policy.name)
     if strategy is not None and not isinstance(strategy, str) and jax:

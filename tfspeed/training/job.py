@@ -133,7 +133,7 @@ def _build(config: Config, rt, lock: locks.Lock | None, converted_s: float = 0.0
     from tfspeed.data import schema as schema_lib
     from tfspeed.data import text as text_lib
 
-    if config.train.profile_steps and rt.backend == "jax":
+    if config.train.profile_steps and not runtime.backends.get(rt.backend).tf_profiler:
         raise UsageError("--profile_steps captures with TensorFlow's profiler, which does not "
                          "see a step on the JAX backend; drop it, or run with "
                          "KERAS_BACKEND=tensorflow to profile")
@@ -337,7 +337,9 @@ def _probe_run(config: Config, rt, schema, batching, steps: int):
 def _compiled_modes(config: Config, rt) -> tuple[str, ...]:
     """The batchings whose every batch shape compiles on this runtime: all of them on JAX
     or under XLA; on TensorFlow with ``--xla=auto`` packed rows (``runtime.for_batching``)."""
-    if rt.backend == "jax" or rt.plan.xla:
+    from tfspeed.runtime import backends
+
+    if backends.get(rt.backend).compiles_every_step or rt.plan.xla:
         return BATCHING_MODES
     return ("pack",) if config.runtime.xla == "auto" else ()
 

@@ -37,11 +37,8 @@ class RematBlock(keras.layers.Layer):
         self.inner.build(input_shape)
 
     def call(self, x, training=None):
-        if keras.backend.backend() == "jax":  # jax.checkpoint, through Keras
-            return keras.remat(lambda t: self.inner(t, training=training))(x)
-        import tensorflow as tf
-
-        return tf.recompute_grad(lambda t: self.inner(t, training=training))(x)
+        # Keras' remat: jax.checkpoint on JAX, tf.recompute_grad on TensorFlow.
+        return keras.remat(lambda t: self.inner(t, training=training))(x)
 
     def compute_output_shape(self, input_shape):
         return self.inner.compute_output_shape(input_shape)

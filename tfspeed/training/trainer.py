@@ -28,7 +28,7 @@ from tfspeed.config import TrainConfig, is_auto
 from tfspeed.data import ingraph
 from tfspeed.errors import UsageError
 from tfspeed.probes import autotune, profiling
-from tfspeed.runtime import Runtime
+from tfspeed.runtime import Runtime, backends
 from tfspeed.training import decisions as decisions_lib
 from tfspeed.training import meters
 from tfspeed.training.callbacks import Callbacks
@@ -103,7 +103,7 @@ def make_engine(model: keras.Model, objectives, config: TrainConfig, runtime: Ru
         sequences for classification), the constant its summed loss is divided by.
 
     Returns:
-      The ``Engine``.
+      The ``Engine`` of the runtime's backend (``runtime.backends``).
     """
     if objectives is None or not callable(getattr(objectives, "loss", None)):
         raise TypeError("make_engine needs the job's resolved objectives "
@@ -117,14 +117,8 @@ def make_engine(model: keras.Model, objectives, config: TrainConfig, runtime: Ru
                   weight_scale=weight_scale)
     with runtime.strategy.scope():
         optimizer = optimizer or make_optimizer(config, total_updates, global_batch_size)
-        if runtime.backend == "jax":  # the JAX engine, on runtime.jax_backend's devices
-            from tfspeed.training.engine_jax import JaxEngine
-
-            engine = JaxEngine(model, optimizer, objectives.loss, options,
-                               devices=runtime.strategy.devices, **shared)
-        else:
-            engine = Engine(model, optimizer, runtime.strategy, objectives.loss, options,
-                            **shared)
+        adapter = backends.engine_class(runtime.backend)  # placed on the runtime's strategy
+        engine = adapter(model, optimizer, runtime.strategy, objectives.loss, options, **shared)
     engine.objectives = objectives  # what it trains on, for the reports of probes
     return engine
 

@@ -1,6 +1,6 @@
-"""The training engine on Keras' JAX backend: the contract of ``tfspeed.training.engine``
-(``train``, ``train_one``, ``evaluate``, the counters and what a checkpoint holds) with the
-step written as a pure function of (state, batch), compiled once by ``jax.jit``.
+"""The training engine on Keras' JAX backend (``tfspeed.training.engine.Engine``): the
+step's arithmetic (``training.step``) as a pure function of (state, batch), compiled once by
+``jax.jit``.
 
 What stays the same as on TensorFlow: the job (data, model, objectives, report) and the
 engine's semantics. Gradient accumulation sums K micro-batches' gradients and applies them
@@ -48,14 +48,15 @@ LossFn = Callable
 class JaxEngine:
     """Trains a Keras model on the JAX backend; see the module docstring.
 
-    Args: as ``tfspeed.training.engine.Engine``, with ``devices`` instead of a strategy: the
-    JAX devices the batch is sharded over (None: one, the first).
+    Args: as ``training.backends.tensorflow.TensorFlowEngine``, with the JAX ``devices`` the
+    batch is sharded over instead of a strategy (None: one, the first; or the runtime's
+    ``jax_backend.JaxStrategy``, its devices).
     """
 
     def __init__(self, model: keras.Model, optimizer: keras.optimizers.Optimizer,
-                 loss_fn: LossFn, options: EngineOptions | None = None, *,
+                 devices, loss_fn: LossFn, options: EngineOptions | None = None, *,
                  global_batch_size: int, preprocess=None, metrics=None, weighted: bool = False,
-                 weight_scale: float | None = None, devices=None):
+                 weight_scale: float | None = None):
         options = EngineOptions() if options is None else options
         check_arguments(model, optimizer, None, options, global_batch_size)
         if options.loss_scale:
@@ -74,7 +75,7 @@ class JaxEngine:
                               global_batch_size, 1, options.grad_accum_steps)
         if not optimizer.built:
             optimizer.build(model.trainable_variables)
-        self._placement = _Placement(devices)
+        self._placement = _Placement(getattr(devices, "devices", devices))
         self._state = self._placement.replicate(self._initial_state())
         self._signatures: set = set()  # (batch shape, slots) programs compiled so far
         self._last_shape = None
