@@ -33,7 +33,7 @@ _ARGS: list[str] = []  # the command line's flags as given: the child and tuned.
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise UsageError(f"unexpected arguments {argv[1:]}: every option is a --flag")
-    if runtime.backend() != "tensorflow":
+    if not runtime.backends.current().tf_function_probes:
         raise UsageError(
             f"KERAS_BACKEND={runtime.backend()}: tune times its candidates with TensorFlow's "
             "step (tf.function probes); run it with KERAS_BACKEND=tensorflow. On JAX the "

@@ -84,9 +84,9 @@ def is_in_step(source) -> bool:
 
 
 def _blocker(config: DataConfig, schema=None) -> str:
-    import keras
+    from tfspeed.runtime import backends
 
-    if keras.backend.backend() == "jax" and config.augment:
+    if not backends.current().augment_in_step and config.augment:
         return ("on the JAX backend augmentations run in tf.data (the in-step gather holds "
                 "the stored records only)")
     if schema is not None and not schema.named_inputs and (

@@ -29,7 +29,7 @@ from absl import logging
 
 from tfspeed.diagnosis import precision
 from tfspeed.errors import UsageError
-from tfspeed.runtime import hostmem
+from tfspeed.runtime import backends, hostmem
 
 # Token batches the model alone cycles through: enough to sample the shapes and the
 # sequences per batch that vary from batch to batch (the default --diagnose_steps times 40).
@@ -194,7 +194,7 @@ def _time_in_step_gather(job, options: Options) -> Timing:
     import tensorflow as tf
 
     source, strategy = job.train_data, job.runtime.strategy
-    if job.runtime.backend == "jax":
+    if not backends.get(job.runtime.backend).tf_distribute:
         return _time_jax_gather(source, options)
 
     @tf.function
@@ -304,11 +304,9 @@ def _finished(out: dict) -> dict:
 
 def _profile(engine, iterator, steps: int, out_dir: str) -> dict:
     """(d): a profile of ``steps`` steps, each in its own call, read with xprof."""
-    import keras
-
     from tfspeed.probes import profiling
 
-    if keras.backend.backend() == "jax":
+    if not backends.current().tf_profiler:
         # The capture and its step analysis are TensorFlow's profiler and xprof's reading
         # of it; a JAX step does not show in them. The other figures are measured alike.
         _say("profile: not on the JAX backend (TensorFlow's profiler does not see its step)")

@@ -18,7 +18,9 @@ from absl import logging
 
 from tfspeed.config import RuntimeConfig, is_auto
 from tfspeed.errors import UsageError
-from tfspeed.runtime import hostmem
+from tfspeed.runtime import backends, hostmem
+from tfspeed.runtime.backends import BACKENDS  # noqa: F401 -- re-exported
+from tfspeed.runtime.backends import unsupported as unsupported_backend  # noqa: F401
 
 # Compute capability from which GPUs have tensor cores for float16 (Volta), and for
 # bfloat16 at full speed (Ampere).
@@ -75,27 +77,13 @@ class Plan:
     backend: str = "tensorflow"
 
 
-BACKENDS = ("tensorflow", "jax")  # Keras backends tfspeed's engine runs on
-
-
 def backend() -> str:
-    """Keras' backend (``KERAS_BACKEND``), checked: tensorflow (the default) or jax.
+    """Keras' backend (``KERAS_BACKEND``), checked: one of ``backends.BACKENDS``.
 
     Raises:
       UsageError: for a backend tfspeed has no engine for.
     """
-    import keras
-
-    name = keras.backend.backend()
-    if name not in BACKENDS:
-        raise UsageError(unsupported_backend(name))
-    return name
-
-
-def unsupported_backend(name: str) -> str:
-    """The one line for a Keras backend tfspeed has no engine for."""
-    return (f"KERAS_BACKEND={name}: tfspeed's engine runs on tensorflow and jax (tf.data "
-            f"feeds both); there is no {name} step: set KERAS_BACKEND=tensorflow or jax")
+    return backends.current().name
 
 
 def detect_hardware() -> Hardware:
@@ -103,7 +91,7 @@ def detect_hardware() -> Hardware:
     on JAX its devices, on TensorFlow TF's)."""
     import tensorflow as tf
 
-    if backend() == "jax":
+    if not backends.current().tf_distribute:  # its own devices
         from tfspeed.runtime import jax_backend
 
         return Hardware(gpus=jax_backend.gpus(), tpus=jax_backend.tpus(),
@@ -150,8 +138,8 @@ def resolve(config: RuntimeConfig, hw: Hardware, backend_name: str = "tensorflow
       UsageError: for settings this machine (or backend) cannot honour, naming the flag and
         the fix.
     """
-    if backend_name == "jax":
-        return _resolve_jax(config, hw)
+    if not backends.get(backend_name).tf_distribute:
+        return _resolve_jax(config, hw, backend_name)
     reasons = {}
     if config.cpu_replicas and hw.gpus:
         raise UsageError(f"--cpu_replicas={config.cpu_replicas} splits the CPU for testing, but "
@@ -226,7 +214,7 @@ def for_batching(runtime: Runtime, config: RuntimeConfig, batching: str) -> Runt
                                                                  reasons=reasons))
 
 
-def _resolve_jax(config: RuntimeConfig, hw: Hardware) -> Plan:
+def _resolve_jax(config: RuntimeConfig, hw: Hardware, name: str) -> Plan:
     """``resolve`` on JAX: data parallel over the devices, every step jitted, no float16 loss
     scaling (bfloat16 where the hardware has it)."""
     if config.precision == "mixed_float16":
@@ -247,7 +235,7 @@ def _resolve_jax(config: RuntimeConfig, hw: Hardware) -> Plan:
                                 "float16 loss scaling runs on the TensorFlow backend: float32")
     reasons["xla"] = "JAX jits each step" + (" (--xla=off ignored)" if config.xla == "off" else "")
     return dataclasses.replace(plan, precision=precision, loss_scale=False, xla=True,
-                               reasons=reasons, backend="jax")
+                               reasons=reasons, backend=name)
 
 
 def _auto_precision(hw: Hardware) -> tuple[str, str]:
@@ -367,13 +355,14 @@ def setup(config: RuntimeConfig, hw: Hardware | None = None,
     import tensorflow as tf
 
     name = backend()
-    if name == "jax" and config.cpu_replicas > 1:  # before anything starts JAX's backends
+    own_devices = not backends.get(name).tf_distribute
+    if own_devices and config.cpu_replicas > 1:  # before anything starts JAX's backends
         from tfspeed.runtime import jax_backend
 
         jax_backend.split_cpu(config.cpu_replicas)
     hw = hw or detect_hardware()
     plan = resolve(config, hw, name)
-    if name == "jax":
+    if own_devices:
         from tfspeed.runtime import jax_backend
 
         keras.mixed_precision.set_global_policy(plan.precision)
@@ -425,7 +414,7 @@ def split_cpu(replicas: int) -> None:
     """
     import tensorflow as tf
 
-    if backend() == "jax":
+    if not backends.current().tf_distribute:
         from tfspeed.runtime import jax_backend
 
         jax_backend.split_cpu(replicas)
