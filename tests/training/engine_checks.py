@@ -39,9 +39,9 @@ def _loss(y, logits):
 def _train(runtime, batch, micro_steps, data=None, **options):
     """An engine trained on ``micro_steps`` batches of ``batch`` in order; its weights."""
     adapter = backends.engine_class(runtime.backend)
-    with runtime.strategy.scope():
+    with runtime.scope():
         model, optimizer = _model(), keras.optimizers.Adam(0.01)
-    engine = adapter(model, optimizer, runtime.strategy, _loss, EngineOptions(**options),
+    engine = adapter(model, optimizer, runtime.placement, _loss, EngineOptions(**options),
                      global_batch_size=batch)
     batches = iter(_batches(runtime, _data() if data is None else data, batch))
     logs = [engine.train(batches) for _ in range(micro_steps // engine.options.steps_per_execution)]
@@ -54,7 +54,7 @@ def _batches(runtime, data, batch):
     import tensorflow as tf
 
     ds = tf.data.Dataset.from_tensor_slices(data).batch(batch)
-    return runtime.strategy.experimental_distribute_dataset(ds)
+    return runtime.distribute(ds)
 
 
 def run() -> dict:

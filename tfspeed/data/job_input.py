@@ -38,9 +38,10 @@ class JobInput:
     batching: object = None  # token records: the resolved ``text.Batching``
 
 
-def build(config: Config, schema, strategy, num_train: int, steps_per_epoch: int,
+def build(config: Config, schema, runtime, num_train: int, steps_per_epoch: int,
           batching=None) -> JobInput:
-    """Resolves and builds the input of ``config`` under ``strategy``.
+    """Resolves and builds the input of ``config`` for ``runtime`` (``tfspeed.runtime.
+    Runtime``: its strategy's per-worker pipelines, or global batches for its devices).
 
     Args:
       num_train: records in the train split.
@@ -88,7 +89,7 @@ def build(config: Config, schema, strategy, num_train: int, steps_per_epoch: int
         report["eval_sequences"] = eval_sequences
 
     def dataset(split, training):
-        return strategy.distribute_datasets_from_function(
+        return runtime.distribute_from_function(
             lambda ctx: pipeline.build_from_config(
                 configs[split], split, training=training, input_context=ctx, schema=schema,
                 batching=batching, take_sequences=None if training else eval_sequences))
@@ -96,7 +97,7 @@ def build(config: Config, schema, strategy, num_train: int, steps_per_epoch: int
     if placement.where == "device":
         train_input = ingraph.load(configs[data.train_split], schema, data.train_split,
                                    global_batch_size=data.batch_size, device=device(),
-                                   devices=getattr(strategy, "devices", None))
+                                   devices=runtime.devices or None)
     else:
         train_input = dataset(data.train_split, True)
     return JobInput(train=train_input,

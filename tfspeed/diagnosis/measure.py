@@ -178,7 +178,7 @@ def _time_model(job, held: list, options: Options) -> tuple:
         tf.data.Dataset.range(len(held)).repeat())
     _say("model alone: the step on %d batch(es) held in memory (the first calls trace it)",
          len(held))
-    alone = _time_engine(engine, iter(job.runtime.strategy.experimental_distribute_dataset(
+    alone = _time_engine(engine, iter(job.runtime.distribute(
         synthetic)), options)
     _say("model alone: %.1f ms per step (%d steps)", 1000 / alone.rate, alone.steps)
     _say("together: the step on the job's input")

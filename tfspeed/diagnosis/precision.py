@@ -95,7 +95,7 @@ def _source(job, held):
         return job.train_data
     options = tf.data.Options()
     options.autotune.enabled = False  # nothing to tune in one batch repeated
-    return iter(job.runtime.strategy.experimental_distribute_dataset(
+    return iter(job.runtime.distribute(
         tf.data.Dataset.from_tensors(held).repeat().with_options(options)))
 
 

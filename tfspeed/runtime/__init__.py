@@ -8,6 +8,7 @@ with the reason it was made. ``setup`` applies the choices.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -139,7 +140,9 @@ def resolve(config: RuntimeConfig, hw: Hardware, backend_name: str = "tensorflow
         the fix.
     """
     if not backends.get(backend_name).tf_distribute:
-        return _resolve_jax(config, hw, backend_name)
+        from tfspeed.runtime import jax_backend
+
+        return jax_backend.resolve(config, hw, backend_name)
     reasons = {}
     if config.cpu_replicas and hw.gpus:
         raise UsageError(f"--cpu_replicas={config.cpu_replicas} splits the CPU for testing, but "
@@ -214,30 +217,6 @@ def for_batching(runtime: Runtime, config: RuntimeConfig, batching: str) -> Runt
                                                                  reasons=reasons))
 
 
-def _resolve_jax(config: RuntimeConfig, hw: Hardware, name: str) -> Plan:
-    """``resolve`` on JAX: data parallel over the devices, every step jitted, no float16 loss
-    scaling (bfloat16 where the hardware has it)."""
-    if config.precision == "mixed_float16":
-        raise UsageError("--precision=mixed_float16 needs loss scaling, which tfspeed runs on "
-                         "the TensorFlow backend; on JAX use --precision=auto "
-                         "(mixed_bfloat16 where the hardware has it)")
-    if config.strategy == "multi_worker":
-        raise UsageError("--strategy=multi_worker runs on the TensorFlow backend; on JAX train "
-                         "on one host's devices (--strategy=mirrored)")
-    plan = resolve(dataclasses.replace(config, xla="on"), dataclasses.replace(hw, cluster_tasks=0))
-    reasons = dict(plan.reasons)
-    if hw.cluster_tasks > 1:
-        reasons["strategy"] += "; TF_CONFIG's cluster is TensorFlow's: ignored on JAX"
-    precision = plan.precision
-    if precision == "mixed_float16":  # auto chose it for a GPU before Ampere
-        precision = "float32"
-        reasons["precision"] = ("auto: this GPU has float16 but not bfloat16 tensor cores, and "
-                                "float16 loss scaling runs on the TensorFlow backend: float32")
-    reasons["xla"] = "JAX jits each step" + (" (--xla=off ignored)" if config.xla == "off" else "")
-    return dataclasses.replace(plan, precision=precision, loss_scale=False, xla=True,
-                               reasons=reasons, backend=name)
-
-
 def _auto_precision(hw: Hardware) -> tuple[str, str]:
     if hw.tpus:
         return "mixed_bfloat16", "auto: TPU computes in bfloat16 natively"
@@ -260,16 +239,42 @@ class Runtime:
     """What the step runs on, and why each choice was made.
 
     Attributes:
-      strategy: the ``tf.distribute`` strategy; build models and optimizers in its scope.
+      strategy: the ``tf.distribute`` strategy (None on a backend without one, JAX); build
+        models and optimizers in ``scope()``.
       plan: the resolved choices and their reasons.
+      devices: without a strategy, the devices the engine places the state on and shards
+        each global batch over (``jax_backend.devices``).
     """
 
     strategy: object
     plan: Plan
+    devices: tuple = ()
 
     @property
     def num_replicas(self) -> int:
-        return self.strategy.num_replicas_in_sync
+        return len(self.devices) if self.strategy is None else self.strategy.num_replicas_in_sync
+
+    @property
+    def placement(self):
+        """What the engine places arrays on: the strategy, or the devices."""
+        return self.devices if self.strategy is None else self.strategy
+
+    def scope(self):
+        """Where models and optimizers are built (the strategy's scope)."""
+        return contextlib.nullcontext() if self.strategy is None else self.strategy.scope()
+
+    def distribute(self, dataset):
+        """``dataset``'s batches as the engine takes them: split over the replicas, or whole
+        (global batches, sharded by the engine)."""
+        if self.strategy is None:
+            return dataset
+        return self.strategy.experimental_distribute_dataset(dataset)
+
+    def distribute_from_function(self, dataset_fn):
+        """One pipeline per worker from ``dataset_fn(input_context)`` (None: one process)."""
+        if self.strategy is None:
+            return dataset_fn(None)
+        return self.strategy.distribute_datasets_from_function(dataset_fn)
 
     @property
     def backend(self) -> str:
@@ -287,11 +292,11 @@ class Runtime:
     @property
     def num_workers(self) -> int:
         """Processes training together (1 unless multi-worker)."""
-        return getattr(self.strategy.extended, "_num_workers", 1)
+        return getattr(getattr(self.strategy, "extended", None), "_num_workers", 1)
 
     @property
     def worker_index(self) -> int:
-        return getattr(self.strategy.extended, "_task_id", 0) or 0
+        return getattr(getattr(self.strategy, "extended", None), "_task_id", 0) or 0
 
     @property
     def is_chief(self) -> bool:
@@ -321,7 +326,7 @@ class Runtime:
             "num_workers": self.num_workers,
             "worker_index": self.worker_index,
             "num_replicas": self.num_replicas,
-            "devices": _devices(self.strategy),
+            "devices": _devices(self.strategy) if self.strategy else list(map(str, self.devices)),
             "precision": self.plan.precision,
             "loss_scale": self.plan.loss_scale,
             "xla": self.plan.xla,
@@ -369,7 +374,7 @@ def setup(config: RuntimeConfig, hw: Hardware | None = None,
         plan = dataclasses.replace(plan, reasons={
             **plan.reasons, "intra_op_threads": "JAX: the step runs on XLA's own threads; "
             "TensorFlow's setting (its default) is left to tf.data"})
-        return Runtime(strategy=jax_backend.make_strategy(plan), plan=plan)
+        return Runtime(strategy=None, plan=plan, devices=jax_backend.devices(plan))
     plan = _with_threads(plan, config, hw, forward_flops)
     if plan.gpu_memory_growth:
         for gpu in tf.config.list_physical_devices("GPU"):

@@ -1,51 +1,48 @@
-"""The runtime on Keras' JAX backend: its devices, and the small part of a
-``tf.distribute`` strategy's interface that a job uses, so that one job builder serves both
-backends.
+"""The runtime on Keras' JAX backend: its devices and its resolution of the runtime flags.
 
-On JAX there is no strategy to build models in: the engine (``training.engine_jax``) places
-the state on the devices itself and shards each batch along its first axis (data
-parallelism, as ``keras.distribution.DataParallel`` lays it out). Input pipelines build
+On JAX there is no strategy to build models in: the engine (``training.backends.jax``)
+places the state on the runtime's devices itself and shards each batch along its first axis
+(data parallelism, as ``keras.distribution.DataParallel`` lays it out). Input pipelines build
 global batches (no per-replica split); batch sizes stay multiples of the device count.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 
 from tfspeed.errors import UsageError
 
 
-@dataclasses.dataclass(frozen=True)
-class _Extended:
-    """What ``Runtime`` reads of ``strategy.extended``: one process, which is the chief."""
+def resolve(config, hw, name: str):
+    """``runtime.resolve`` on JAX: data parallelism over the devices instead of a strategy,
+    every step compiled (jit), and no float16 loss scaling (bfloat16 where the hardware has
+    it).
 
-    worker_devices: tuple[str, ...]
-    _num_workers: int = 1
-    _task_id: int = 0
-    should_checkpoint: bool = True
+    Raises:
+      UsageError: for the flags JAX cannot honour (float16 loss scaling, multi-worker).
+    """
+    from tfspeed import runtime
 
-
-class JaxStrategy:
-    """The devices a JAX job trains on, behind the interface the job builder uses of a
-    ``tf.distribute.Strategy`` (``scope``, ``num_replicas_in_sync``, the dataset hooks)."""
-
-    def __init__(self, devices):
-        self.devices = list(devices)
-        self.extended = _Extended(tuple(str(d) for d in self.devices))
-
-    @property
-    def num_replicas_in_sync(self) -> int:
-        return len(self.devices)
-
-    def scope(self):
-        return contextlib.nullcontext()
-
-    def experimental_distribute_dataset(self, dataset):
-        return dataset  # global batches: the engine shards them over the devices
-
-    def distribute_datasets_from_function(self, dataset_fn):
-        return dataset_fn(None)  # one pipeline of global batches
+    if config.precision == "mixed_float16":
+        raise UsageError("--precision=mixed_float16 needs loss scaling, which tfspeed runs on "
+                         "the TensorFlow backend; on JAX use --precision=auto "
+                         "(mixed_bfloat16 where the hardware has it)")
+    if config.strategy == "multi_worker":
+        raise UsageError("--strategy=multi_worker runs on the TensorFlow backend; on JAX train "
+                         "on one host's devices (--strategy=mirrored)")
+    plan = runtime.resolve(dataclasses.replace(config, xla="on"),
+                           dataclasses.replace(hw, cluster_tasks=0))
+    reasons = dict(plan.reasons)
+    if hw.cluster_tasks > 1:
+        reasons["strategy"] += "; TF_CONFIG's cluster is TensorFlow's: ignored on JAX"
+    precision = plan.precision
+    if precision == "mixed_float16":  # auto chose it for a GPU before Ampere
+        precision = "float32"
+        reasons["precision"] = ("auto: this GPU has float16 but not bfloat16 tensor cores, and "
+                                "float16 loss scaling runs on the TensorFlow backend: float32")
+    reasons["xla"] = "JAX jits each step" + (" (--xla=off ignored)" if config.xla == "off" else "")
+    return dataclasses.replace(plan, precision=precision, loss_scale=False, xla=True,
+                               reasons=reasons, backend=name)
 
 
 def gpus() -> tuple[tuple[int, int], ...]:
@@ -85,19 +82,19 @@ def split_cpu(replicas: int) -> None:
                          ) from None
 
 
-def make_strategy(plan) -> JaxStrategy:
+def devices(plan) -> tuple:
     """The devices of ``plan``: one, or all of the accelerator's (or ``cpu_replicas`` CPUs)
     for ``mirrored``."""
     import jax
 
-    devices = jax.devices()
+    found = jax.devices()
     if plan.strategy != "mirrored":
-        return JaxStrategy(devices[:1])
+        return tuple(found[:1])
     if plan.cpu_replicas:
         cpus = _devices("cpu")
         if len(cpus) < plan.cpu_replicas:
             raise UsageError(f"cpu_replicas={plan.cpu_replicas} could not be applied: JAX had "
                              f"already started with {len(cpus)} CPU device(s); from Python, "
                              f"call tfspeed.split_cpu({plan.cpu_replicas}) first")
-        return JaxStrategy(cpus[: plan.cpu_replicas])
-    return JaxStrategy(devices)
+        return tuple(cpus[: plan.cpu_replicas])
+    return tuple(found)

@@ -11,9 +11,67 @@ has and what it cannot do.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Protocol, runtime_checkable
 
-from tfspeed.training.engine_state import EngineOptions  # noqa: F401 -- part of the interface
+import keras
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineOptions:
+    """How `Engine` runs training.
+
+    Attributes:
+        grad_accum_steps: micro-batches per optimizer update (K). K micro-batches of global size
+            b give the update of one batch of size K*b.
+        steps_per_execution: micro-steps run by one `Engine.train` call (one `tf.function` call).
+            Need not be a multiple of `grad_accum_steps`: accumulation spans calls.
+        xla: compile the per-replica forward+backward with XLA.
+        loss_scale: dynamic loss scaling (use with mixed_float16).
+        initial_loss_scale: starting scale (Keras' default).
+        loss_scale_growth_interval: finite updates in a row after which the scale doubles.
+    """
+
+    grad_accum_steps: int = 1
+    steps_per_execution: int = 1
+    xla: bool = False
+    loss_scale: bool = False
+    initial_loss_scale: float = 2.0**15
+    loss_scale_growth_interval: int = 2000
+
+    def __post_init__(self):
+        for name in ("grad_accum_steps", "steps_per_execution", "loss_scale_growth_interval"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"EngineOptions.{name} must be an int >= 1, got {value!r}")
+        if not self.initial_loss_scale >= 1:
+            raise ValueError(
+                f"EngineOptions.initial_loss_scale must be >= 1, got {self.initial_loss_scale!r}"
+            )
+
+
+def check_arguments(model, optimizer, options, global_batch_size) -> None:
+    """Rejects what no engine can train with, with the fix.
+
+    Raises:
+      TypeError, ValueError: naming the argument and what to pass instead.
+    """
+    if not isinstance(options, EngineOptions):
+        raise TypeError(f"options must be an EngineOptions, got {type(options).__name__}")
+    if not isinstance(global_batch_size, int) or global_batch_size < 1:
+        raise ValueError(f"global_batch_size must be an int >= 1, got {global_batch_size!r}")
+    if not model.built or not model.trainable_variables:
+        raise ValueError("the model must be built (call it once) and have trainable variables")
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        raise ValueError(
+            "pass the inner optimizer and EngineOptions(loss_scale=True), not a LossScaleOptimizer"
+        )
+    if optimizer.gradient_accumulation_steps:
+        raise ValueError(
+            "optimizer(gradient_accumulation_steps=...) fails under tf.distribute (keras#20582); "
+            "use EngineOptions(grad_accum_steps=...) instead"
+        )
+
 
 
 @runtime_checkable

@@ -1,17 +1,15 @@
-"""The engine's options and the state it keeps between calls: counters, gradient
-accumulators, the weight sum of a weighted update and the loss scale, all trackable so that a
-checkpoint holds a half-accumulated update. Also the per-batch helpers the step uses.
+"""The TensorFlow engine's state between calls: counters, gradient accumulators, the weight
+sum of a weighted update and the loss scale, all trackable so that a checkpoint holds a
+half-accumulated update. Also the per-batch helpers its step uses.
 """
 
 from __future__ import annotations
 
-import dataclasses
-
-import keras
 import tensorflow as tf
 
 from tfspeed.training import batch_ops
 from tfspeed.training.batch_ops import fill_empty_rows, sparse_accuracy  # noqa: F401
+from tfspeed.training.engine import EngineOptions
 
 _ONLY_FIRST = tf.VariableAggregation.ONLY_FIRST_REPLICA
 
@@ -34,39 +32,6 @@ def ensure_cpu_devices(n: int = 2) -> int:
     except RuntimeError:  # "Virtual devices cannot be modified after being initialized"
         pass
     return len(tf.config.list_logical_devices("CPU"))
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineOptions:
-    """How `Engine` runs training.
-
-    Attributes:
-        grad_accum_steps: micro-batches per optimizer update (K). K micro-batches of global size
-            b give the update of one batch of size K*b.
-        steps_per_execution: micro-steps run by one `Engine.train` call (one `tf.function` call).
-            Need not be a multiple of `grad_accum_steps`: accumulation spans calls.
-        xla: compile the per-replica forward+backward with XLA.
-        loss_scale: dynamic loss scaling (use with mixed_float16).
-        initial_loss_scale: starting scale (Keras' default).
-        loss_scale_growth_interval: finite updates in a row after which the scale doubles.
-    """
-
-    grad_accum_steps: int = 1
-    steps_per_execution: int = 1
-    xla: bool = False
-    loss_scale: bool = False
-    initial_loss_scale: float = 2.0**15
-    loss_scale_growth_interval: int = 2000
-
-    def __post_init__(self):
-        for name in ("grad_accum_steps", "steps_per_execution", "loss_scale_growth_interval"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"EngineOptions.{name} must be an int >= 1, got {value!r}")
-        if not self.initial_loss_scale >= 1:
-            raise ValueError(
-                f"EngineOptions.initial_loss_scale must be >= 1, got {self.initial_loss_scale!r}"
-            )
 
 
 class EngineState(tf.Module):
@@ -118,29 +83,3 @@ def token_counts(x) -> tf.Tensor:
     vector for any other input (``batch_ops.token_counts``)."""
     counts = batch_ops.token_counts(x)
     return tf.zeros([0], tf.int64) if counts is None else tf.cast(counts, tf.int64)
-
-
-def check_arguments(model, optimizer, strategy, options, global_batch_size) -> None:
-    if not isinstance(options, EngineOptions):
-        raise TypeError(f"options must be an EngineOptions, got {type(options).__name__}")
-    if not isinstance(global_batch_size, int) or global_batch_size < 1:
-        raise ValueError(f"global_batch_size must be an int >= 1, got {global_batch_size!r}")
-    if not model.built or not model.trainable_variables:
-        raise ValueError("the model must be built (call it once) and have trainable variables")
-    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-        raise ValueError(
-            "pass the inner optimizer and EngineOptions(loss_scale=True), not a LossScaleOptimizer"
-        )
-    if optimizer.gradient_accumulation_steps:
-        raise ValueError(
-            "optimizer(gradient_accumulation_steps=...) fails under tf.distribute (keras#20582); "
-            "use EngineOptions(grad_accum_steps=...) instead"
-        )
-    for what, variable in (
-        ("model", model.trainable_variables[0]),
-        ("optimizer", optimizer.iterations),
-    ):
-        if strategy is None:  # the JAX engine: arrays are placed, not created in a scope
-            break
-        if not strategy.extended.variable_created_in_scope(variable.value):
-            raise ValueError(f"create the {what} under strategy.scope() of the engine's strategy")

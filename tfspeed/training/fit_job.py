@@ -61,7 +61,7 @@ def prepare(config, model, train, validation=None, *, strategy=None, task=None, 
 
     given = isinstance(model, _keras_model())  # keeps its own precision: nothing to probe
     if not given and job_lib.precision_to_measure(config, rt):
-        held = iter(rt.strategy.experimental_distribute_dataset(
+        held = iter(rt.distribute(
             tf.data.Dataset.from_tensors(first).repeat()))
         run_steps = config.train.train_steps * config.train.grad_accum_steps or (
             config.train.epochs * per_epoch)
@@ -74,7 +74,7 @@ def prepare(config, model, train, validation=None, *, strategy=None, task=None, 
     data = train if endless else train.repeat()
     if not sequences:  # token batches as they come: a bucket's batches differ in rows, width
         data = data.rebatch(batch, drop_remainder=True)
-    distribute = rt.strategy.experimental_distribute_dataset
+    distribute = rt.distribute
     # The job's config holds the batch as the data gives it (the driver's --batch_size).
     config = dataclasses.replace(config, data=dataclasses.replace(config.data, batch_size=batch))
     return job_lib.Job(
@@ -224,7 +224,7 @@ def _build(model, rt, first):
     if isinstance(model, keras.Model):
         built = model
     elif callable(model) and not inspect.signature(model).parameters:
-        with rt.strategy.scope():
+        with rt.scope():
             built = model()
         if not isinstance(built, keras.Model):
             raise UsageError(f"the model function returned {type(built).__name__}, not a "
@@ -233,6 +233,6 @@ def _build(model, rt, first):
         raise UsageError("model must be a keras.Model or a function of no arguments that "
                          "builds one")
     if not built.built:
-        with rt.strategy.scope():
+        with rt.scope():
             built(first[0])
     return built

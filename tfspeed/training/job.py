@@ -147,7 +147,6 @@ def _build(config: Config, rt, lock: locks.Lock | None, converted_s: float = 0.0
         service.check_reachable(data.data_service)
     num_train = schema.split(data.train_split).num_records
     keras.utils.set_random_seed(data.seed)
-    strategy = rt.strategy
     batching, epoch_batches, compiles = None, 0, {}
     decided = decisions.Decisions(config.model_dir, config, rt.backend, writes=rt.is_chief,
                                   reuses=rt.num_workers == 1)
@@ -161,7 +160,7 @@ def _build(config: Config, rt, lock: locks.Lock | None, converted_s: float = 0.0
     else:
         _check_batch(data.batch_size, num_train, rt.num_replicas, data.train_split)
     steps_per_epoch = epoch_batches or num_train // data.batch_size
-    inputs = job_input.build(config, schema, strategy, num_train, steps_per_epoch, batching)
+    inputs = job_input.build(config, schema, rt, num_train, steps_per_epoch, batching)
     # The whole split unless --eval_steps caps it. Not a count computed here: with several
     # workers one may hold a batch more than another, and tf.distribute then runs every
     # worker until the last has no data (the others get empty batches). Text caps the
@@ -220,7 +219,7 @@ def build_model(config: Config, rt, schema, input_shape: tuple[int, ...], batchi
         spec = {"vocab_size": schema.text["tokenizer"]["vocab_size"], "task": schema.task,
                 "max_length": batching.max_length, "max_segments": batching.max_segments}
         extra = {"sequences": True}  # dict targets {"label", "weight"}, weighted exactly
-    with rt.strategy.scope():
+    with rt.scope():
         model = models.build(config.model, input_shape, schema.num_outputs, text=spec)
     goals = objectives.resolve(config.train.loss, config.train.metrics or None, schema.task,
                                model, **extra)
@@ -331,7 +330,7 @@ def _probe_run(config: Config, rt, schema, batching, steps: int):
     mode_rt = runtime.for_batching(rt, config.runtime, batching.mode)
     engine, _ = engine_at(config, mode_rt, schema, pipeline.input_shape(schema, data), None,
                           mode_rt.plan.precision, batching=batching)
-    return engine, iter(rt.strategy.experimental_distribute_dataset(ds.repeat())), real
+    return engine, iter(rt.distribute(ds.repeat())), real
 
 
 def _compiled_modes(config: Config, rt) -> tuple[str, ...]:

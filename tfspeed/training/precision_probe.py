@@ -74,7 +74,7 @@ def measure_job_precision(config: Config, rt, schema, inputs, input_shape, steps
                                     augment=(), cache="none")
         held = next(iter(pipeline.build_from_config(plain, data.train_split, training=True,
                                                     schema=schema, batching=batching)))
-        source = iter(rt.strategy.experimental_distribute_dataset(
+        source = iter(rt.distribute(
             tf.data.Dataset.from_tensors(held).repeat()))
 
     def engine_for(policy):

@@ -90,7 +90,7 @@ def make_engine(model: keras.Model, objectives, config: TrainConfig, runtime: Ru
     """The engine that runs the training step: optimizer, accumulation, XLA, loss scaling.
 
     Args:
-      model: a Keras model built in ``runtime.strategy.scope()``.
+      model: a Keras model built in ``runtime.scope()``.
       objectives: the resolved loss and metrics (``tfspeed.training.objectives.resolve``): there is
         no default, so an engine never trains on a loss the job did not ask for.
       config: optimisation settings.
@@ -115,10 +115,11 @@ def make_engine(model: keras.Model, objectives, config: TrainConfig, runtime: Ru
     shared = dict(global_batch_size=global_batch_size, preprocess=preprocess,
                   metrics=objectives.metrics, weighted=getattr(objectives, "weighted", False),
                   weight_scale=weight_scale)
-    with runtime.strategy.scope():
+    with runtime.scope():
         optimizer = optimizer or make_optimizer(config, total_updates, global_batch_size)
-        adapter = backends.engine_class(runtime.backend)  # placed on the runtime's strategy
-        engine = adapter(model, optimizer, runtime.strategy, objectives.loss, options, **shared)
+        adapter = backends.engine_class(runtime.backend)
+        engine = adapter(model, optimizer, runtime.placement, objectives.loss, options,
+                         **shared)
     engine.objectives = objectives  # what it trains on, for the reports of probes
     return engine
 
@@ -144,7 +145,7 @@ def fit(
     """Trains ``model`` on ``train_data`` and evaluates it on ``eval_data``.
 
     Args:
-      model: a built Keras model created in ``runtime.strategy.scope()``, outputting logits.
+      model: a built Keras model created in ``runtime.scope()``, outputting logits.
       train_data: a distributed, endlessly repeating dataset of (inputs, labels) micro-batches.
       eval_data: a distributed finite dataset, or None.
       config: optimisation settings.

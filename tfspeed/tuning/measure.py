@@ -349,7 +349,7 @@ def _repeated(job, held):
     # in Model::OptimizeLoop for a period that doubles while the iterator lives).
     options = tf.data.Options()
     options.autotune.enabled = False
-    return iter(job.runtime.strategy.experimental_distribute_dataset(
+    return iter(job.runtime.distribute(
         tf.data.Dataset.from_tensors(held).repeat().with_options(options)))
 
 

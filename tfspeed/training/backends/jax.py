@@ -39,7 +39,7 @@ import numpy as np
 from keras import tree
 
 from tfspeed.training import batch_ops
-from tfspeed.training.engine_state import EngineOptions, check_arguments
+from tfspeed.training.engine import EngineOptions, check_arguments
 from tfspeed.training.step import StepMath
 
 LossFn = Callable
@@ -49,8 +49,7 @@ class JaxEngine:
     """Trains a Keras model on the JAX backend; see the module docstring.
 
     Args: as ``training.backends.tensorflow.TensorFlowEngine``, with the JAX ``devices`` the
-    batch is sharded over instead of a strategy (None: one, the first; or the runtime's
-    ``jax_backend.JaxStrategy``, its devices).
+    batch is sharded over instead of a strategy (``Runtime.devices``; None: one, the first).
     """
 
     def __init__(self, model: keras.Model, optimizer: keras.optimizers.Optimizer,
@@ -58,7 +57,7 @@ class JaxEngine:
                  global_batch_size: int, preprocess=None, metrics=None, weighted: bool = False,
                  weight_scale: float | None = None):
         options = EngineOptions() if options is None else options
-        check_arguments(model, optimizer, None, options, global_batch_size)
+        check_arguments(model, optimizer, options, global_batch_size)
         if options.loss_scale:
             raise ValueError("loss scaling (mixed_float16) runs on the TensorFlow backend; on "
                              "JAX use mixed_bfloat16 or float32")
@@ -75,7 +74,7 @@ class JaxEngine:
                               global_batch_size, 1, options.grad_accum_steps)
         if not optimizer.built:
             optimizer.build(model.trainable_variables)
-        self._placement = _Placement(getattr(devices, "devices", devices))
+        self._placement = _Placement(devices)
         self._state = self._placement.replicate(self._initial_state())
         self._signatures: set = set()  # (batch shape, slots) programs compiled so far
         self._last_shape = None

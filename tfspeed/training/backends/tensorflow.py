@@ -20,13 +20,9 @@ variable update out of the places where tf.distribute breaks:
 * **Loss scaling**: the loss is multiplied by a scale variable that only changes at update
   boundaries, so all micro-batches of one update share it; the sum is unscaled once, checked for
   inf/NaN after the all-reduce (so every replica takes the same branch) and skipped if not finite.
-* **Weighted objectives** (token data, ``weighted=True``): the number of real elements (tokens,
-  sequences) varies per micro-batch, so a mean of micro-batch means is not the update's mean.
-  Each replica differentiates its *sum* of weighted losses (over a fixed ``weight_scale``, an
-  update's expected weight, for magnitude) and adds its weight sum to an ``ON_READ``/``SUM``
-  accumulator; at apply time the gradients are multiplied by ``weight_scale / W``, W the
-  weight sum of all K micro-batches on all replicas, and an update with W = 0 is skipped.
-  The recipe and its reference are in ``tfspeed.training.transformer``.
+* **Weighted objectives** (token data, ``weighted=True``; ``training.step``): each replica
+  adds its micro-batches' weight sum to an ``ON_READ``/``SUM`` accumulator, so the update's
+  W is the sum over all K micro-batches on all replicas.
 """
 
 from __future__ import annotations
@@ -38,10 +34,9 @@ import keras
 import tensorflow as tf
 from absl import logging
 
-from tfspeed.training.engine_state import (  # noqa: F401 -- EngineOptions re-exported
-    EngineOptions,
+from tfspeed.training.engine import EngineOptions, check_arguments
+from tfspeed.training.engine_state import (  # noqa: F401 -- ensure_cpu_devices re-exported
     EngineState,
-    check_arguments,
     ensure_cpu_devices,
     sparse_accuracy,
     token_counts,
@@ -112,7 +107,12 @@ class TensorFlowEngine:
         self._metrics = dict({"accuracy": sparse_accuracy} if metrics is None else metrics)
         if "loss" in self._metrics:
             raise ValueError("metrics: 'loss' is the loss itself; name the metric otherwise")
-        check_arguments(model, optimizer, strategy, options, global_batch_size)
+        check_arguments(model, optimizer, options, global_batch_size)
+        for what, variable in (("model", model.trainable_variables[0]),
+                               ("optimizer", optimizer.iterations)):
+            if not strategy.extended.variable_created_in_scope(variable.value):
+                raise ValueError(f"create the {what} under strategy.scope() of the engine's "
+                                 "strategy")
         self.model, self.optimizer, self.strategy = model, optimizer, strategy
         self.options = options
         self.objectives = None  # the job's, set by trainer.make_engine
