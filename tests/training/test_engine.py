@@ -1,4 +1,6 @@
-"""Tests for the TensorFlow engine (tfspeed.training.backends.tensorflow) on real TF: 1 replica and MirroredStrategy over 2 logical CPUs.
+"""Tests for the TensorFlow engine (tfspeed.training.backends.tensorflow) on real TF: 1 replica
+and MirroredStrategy over 2 logical CPUs; and the same exactness checks on each backend's
+engine (engine_checks.py, JAX in a process of its own).
 
 Tiny model (Dense(8)->Dense(3)), fixed weights, fixed data order, no shuffling. Max abs weight
 differences measured on the 2-core CPU box (TF 2.21, Keras 3.15) are noted next to each tolerance.

@@ -484,7 +484,7 @@ def multi_worker_strategy():
     """MultiWorkerMirroredStrategy over the cluster in ``TF_CONFIG`` (one per process).
 
     Stock Keras ``fit`` fails under it on this stack (keras#20582, keras#19005: see
-    `tfspeed.training.engine`); the engine's custom loop works. Collectives use NCCL
+    `tfspeed.training.backends.tensorflow`); the engine's custom loop works. Collectives use NCCL
     between GPUs and gRPC ring all-reduce on CPU (``AUTO``).
     """
     import tensorflow as tf

@@ -39,6 +39,7 @@ class Backend:
     compiles_every_step: bool
 
 
+DEFAULT = "tensorflow"  # Keras' own default, without KERAS_BACKEND
 BACKENDS = {
     "tensorflow": Backend("tensorflow", "tfspeed.training.backends.tensorflow:TensorFlowEngine",
                           tf_distribute=True, tf_profiler=True, tf_function_probes=True,

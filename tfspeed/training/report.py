@@ -6,6 +6,7 @@ import math
 import os
 
 from tfspeed.errors import UsageError
+from tfspeed.runtime import backends
 from tfspeed.util import system
 from tfspeed.util.files import write_json_atomic
 
@@ -55,8 +56,8 @@ def summary_lines(report: dict) -> list[str]:
         lines.append(
             f"runtime: {runtime['strategy']} x{runtime['num_replicas']}, "
             f"{runtime['precision']}, xla={'on' if runtime['xla'] else 'off'}"
-            + (f", keras on {runtime['backend']}" if runtime.get("backend", "tensorflow")
-               != "tensorflow" else "")
+            + (f", keras on {runtime['backend']}" if runtime.get("backend", backends.DEFAULT)
+               != backends.DEFAULT else "")
         )
     return lines
 

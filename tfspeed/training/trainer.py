@@ -2,8 +2,8 @@
 
 Stock ``model.fit`` fails under MirroredStrategy with gradient accumulation (keras#20582),
 ``jit_compile`` (keras#19005) or ``steps_per_execution > 1``, so training runs on the engine
-(`tfspeed.training.engine` says how it avoids each); this module adds what a run needs
-around it: the learning-rate schedule, checkpoints and resumption, the steps_per_execution
+(`tfspeed.training.backends.tensorflow` says how it avoids each); this module adds what a run
+needs around it: the learning-rate schedule, checkpoints and resumption, the steps_per_execution
 tuner, progress, TensorBoard scalars and throughput.
 
 Fault tolerance: checkpoints hold the input position where tf.data can save it, so a killed

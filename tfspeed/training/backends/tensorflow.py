@@ -454,7 +454,8 @@ class TensorFlowEngine:
                 self.optimizer.apply_gradients(zip(grads, self._variables, strict=True))
                 return
             # After the all-reduce every replica holds the same sum: one check decides for all.
-            tf.cond(self._math.all_finite(grads), lambda: self._apply_finite(grads), self._skip_update)
+            tf.cond(self._math.all_finite(grads), lambda: self._apply_finite(grads),
+                    self._skip_update)
 
         if weight is None:
             update()
