@@ -3,11 +3,9 @@ step's arithmetic (``training.step``) as a pure function of (state, batch), comp
 ``jax.jit``.
 
 What stays the same as on TensorFlow: the job (data, model, objectives, report) and the
-engine's semantics. Gradient accumulation sums K micro-batches' gradients and applies them
-once; weighted objectives (token data) divide each micro-batch's summed loss by a fixed
-``weight_scale`` and rescale the update by ``weight_scale / W``, W the update's true weight,
-so the update is exact however the real tokens fall over micro-batches; an update with W = 0
-is skipped. A NaN/Inf loss is recorded on the device without a sync.
+step's arithmetic (``training.step``: accumulation, the exact token weighting, skipped
+updates, the non-finite record, what a call reports). Gradients are accumulated in the
+state, and a NaN/Inf loss is recorded on the device without a sync.
 
 What is JAX's own:
 
