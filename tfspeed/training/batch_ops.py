@@ -1,5 +1,5 @@
 """What a training step does to a batch besides the model, in ``keras.ops``: the same code
-inside a TensorFlow step (``engine``) and a JAX one (``engine_jax``).
+inside both backends' steps (``training.backends``; ``training.step`` builds on it).
 
 Token batches are the dict contract of ``tfspeed.data.sequences`` (``segment_ids`` 0 at
 padding, targets ``{"label", "weight"}``).
