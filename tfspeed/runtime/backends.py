@@ -24,6 +24,7 @@ class Backend:
       tf_distribute: arrays are placed by a ``tf.distribute`` strategy (models built in its
         scope, per-replica batches, loss scaling, multi-worker clusters); otherwise the engine
         places them on the devices of ``runtime.jax_backend`` and shards global batches.
+      tf_kernels: the step runs TensorFlow's kernels (oneDNN, its intra-op threads).
       tf_profiler: TensorFlow's profiler (and xprof's step analysis) sees its step.
       tf_function_probes: ``tfspeed.tune``'s candidates can be timed (they are ``tf.function``s).
       augment_in_step: augmentations can run inside the in-step gather.
@@ -33,6 +34,7 @@ class Backend:
     name: str
     engine: str
     tf_distribute: bool
+    tf_kernels: bool
     tf_profiler: bool
     tf_function_probes: bool
     augment_in_step: bool
@@ -42,11 +44,12 @@ class Backend:
 DEFAULT = "tensorflow"  # Keras' own default, without KERAS_BACKEND
 BACKENDS = {
     "tensorflow": Backend("tensorflow", "tfspeed.training.backends.tensorflow:TensorFlowEngine",
-                          tf_distribute=True, tf_profiler=True, tf_function_probes=True,
-                          augment_in_step=True, compiles_every_step=False),
+                          tf_distribute=True, tf_kernels=True, tf_profiler=True,
+                          tf_function_probes=True, augment_in_step=True,
+                          compiles_every_step=False),
     "jax": Backend("jax", "tfspeed.training.backends.jax:JaxEngine",
-                   tf_distribute=False, tf_profiler=False, tf_function_probes=False,
-                   augment_in_step=False, compiles_every_step=True),
+                   tf_distribute=False, tf_kernels=False, tf_profiler=False,
+                   tf_function_probes=False, augment_in_step=False, compiles_every_step=True),
 }
 
 

@@ -137,7 +137,9 @@ def kernels(backend: str, intra_op_threads: int) -> dict:
     Returns:
       ``{"backend", "onednn", "intra_op_threads"}``.
     """
-    if backend != "tensorflow":
+    from tfspeed.runtime import backends
+
+    if not backends.get(backend).tf_kernels:
         return {"backend": backend}
     from tensorflow.python.util import _pywrap_util_port
 
