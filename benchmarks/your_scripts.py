@@ -5,8 +5,9 @@ script that builds a Keras model and calls ``model.fit``, run as written, with o
     python benchmarks/your_scripts.py [--rounds=3] [--epochs=3] [--images=600]
         [--pipelines=...] [--models=small,written] [--routes=as_written,optimize,...]
 
-A round of all 8 pipelines, both models and the 4 routes is 64 processes of 10-60 s each:
-about 15 minutes on 2 quiet cores (30 on a loaded machine), most of it the photos' CNN.
+A round of all 8 pipelines, both models and the 4 routes is 64 processes of 10-60 s each,
+most of it the photos' CNN: about 30 minutes on 2 cores shared with other jobs (extrapolated
+from 4 pipelines), less on quiet ones; ``--routes`` and ``--models`` take fewer.
 
 The pipelines are ``your_pipelines.py``'s own functions, imported by the scripts (the same
 data, the same ``--workdir``, ``--images`` and ``--pipelines`` flags). For each pipeline, two
