@@ -196,3 +196,76 @@ def test_a_killed_first_run_is_rebuilt_never_read_half_written(photo_folder, tmp
 def test_anything_but_a_dataset_is_one_line():
     with pytest.raises(UsageError, match="takes a tf.data.Dataset, got ndarray"):
         optimize(np.zeros((4, 2)))
+
+
+def test_a_rebuilt_map_is_not_transpiled_again_by_autograph(capsys):
+    # Its function is already traced: autograph's transpiling of the wrapper cost ~0.4 s a
+    # process, more than a small pipeline's whole run.
+    node = graph.chain(tf.data.Dataset.range(4).map(lambda x: x * 2))[1]
+    tf.autograph.set_verbosity(10, alsologtostdout=True)
+    try:
+        out = graph.rebuild(node, tf.data.Dataset.range(3))
+    finally:
+        tf.autograph.set_verbosity(0)
+    assert "Converted call" not in capsys.readouterr().out
+    assert [int(x) for x in out] == [0, 2, 4]
+
+
+def test_the_first_run_computes_nothing_before_the_user_iterates(tmp_path):
+    # The first element of a missing file would fail if optimize computed one to size the
+    # store: with static shapes, the size comes from the element_spec.
+    def missing():
+        paths = tf.data.Dataset.from_tensor_slices([str(tmp_path / "absent.jpg")] * 4)
+        return paths.map(lambda p: tf.image.resize(tf.io.decode_jpeg(
+            tf.io.read_file(p), channels=3), (8, 8))).batch(2)
+
+    out = optimize(missing(), cache_dir=str(tmp_path / "c"), quiet=True)
+    assert out.tfspeed_report.state == "writing"
+    with pytest.raises(tf.errors.NotFoundError):
+        next(iter(out))
+
+
+def test_a_later_run_times_a_bounded_share_of_the_stored_part(tmp_path):
+    def lines():
+        return tf.data.Dataset.range(400).map(lambda i: tf.fill([64], i)).shuffle(
+            50, seed=3).batch(8)
+
+    first = optimize(lines(), cache_dir=str(tmp_path), quiet=True)
+    expected = elements(lines())
+    assert same(elements(first), expected)
+    later = optimize(lines(), cache_dir=str(tmp_path), quiet=True)
+    report = later.tfspeed_report
+    assert report.state == "complete" and report.before_per_s > 0
+    # The stored part (400 elements, before the shuffle), not whole epochs: at most a tenth.
+    assert 0 < report.probe_elements <= 400 // 10
+    assert same(elements(later), expected)
+
+
+def test_a_batch_then_a_map_is_sized_from_its_spec_without_computing_an_element(tmp_path):
+    # The text tutorial's shape: batch, then a map whose output has no static batch dimension.
+    def missing():
+        paths = tf.data.Dataset.from_tensor_slices([str(tmp_path / "absent.txt")] * 4)
+        return paths.batch(2).map(lambda p: tf.strings.to_number(tf.strings.split(
+            tf.io.read_file(p[0]))[:3])[tf.newaxis] * tf.ones((tf.shape(p)[0], 1)))
+
+    assert missing().element_spec.shape.as_list() == [None, None]  # split: unknown width
+    spec = tf.TensorSpec((None, 3), tf.float32)
+    fixed = missing().map(lambda x: tf.ensure_shape(tf.reshape(x, (-1, 3)), spec.shape))
+    out = optimize(fixed, cache_dir=str(tmp_path / "c"), quiet=True)
+    assert out.tfspeed_report.state == "writing"
+    with pytest.raises(tf.errors.NotFoundError):
+        next(iter(out))
+
+
+def test_an_array_held_in_the_graph_is_keyed_by_its_values():
+    from tfspeed.attach import store
+
+    def arrays(x):
+        return tf.data.Dataset.from_tensor_slices(x).map(lambda v: v / 16.0).batch(8)
+
+    digits = np.arange(4000, dtype="float32").reshape(500, 8)  # over CONSTANT_BYTES
+    changed = digits.copy()
+    changed[-1, -1] += 1
+    key = store.fingerprint(arrays(digits))[0]
+    assert store.fingerprint(arrays(digits.copy()))[0] == key
+    assert store.fingerprint(arrays(changed))[0] != key

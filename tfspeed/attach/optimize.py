@@ -14,6 +14,7 @@ be read is returned as it is, with one line that says why.
 from __future__ import annotations
 
 import dataclasses
+import os
 import shutil
 import sys
 import time
@@ -23,7 +24,9 @@ from tfspeed.errors import UsageError
 RAM_SHARE = 0.25  # of the memory available now: the most a stored part may hold in RAM
 DISK_SHARE = 0.5  # of the free disk: the most a store may take
 PROBE_SECONDS = 1.0  # each contender's timing on a later run, at most
-PROBE_SHARE_OF_EPOCH = 5  # and at most 1/5 of an epoch's elements
+PROBE_SHARE_OF_EPOCH = 10  # and at most 1/10 of the stored part's elements
+PROBE_LEAST = 2  # but at least these (after the first): a rate needs two
+PROBE_UNKNOWN = 64  # elements timed where the stored part's count is unknown
 # Attributes Keras' dataset utilities set on the datasets they return (scripts read them).
 USER_ATTRIBUTES = ("class_names", "file_paths")
 
@@ -31,7 +34,8 @@ USER_ATTRIBUTES = ("class_names", "file_paths")
 @dataclasses.dataclass
 class Report:
     """What ``optimize`` did: ``changed`` and ``unchanged`` in words, the store, and the
-    elements/s timed (``before``: as written, ``after``: rewritten) where a store was read."""
+    stored part's elements/s timed (``before``: computed as written, ``after``: read from the
+    store) over ``probe_elements`` elements, where a store was read."""
 
     changed: list[str] = dataclasses.field(default_factory=list)
     unchanged: list[str] = dataclasses.field(default_factory=list)
@@ -39,12 +43,14 @@ class Report:
     state: str = ""
     before_per_s: float | None = None
     after_per_s: float | None = None
+    probe_elements: int = 0
     verdict: str = ""
 
     def line(self) -> str:
         rates = ""
         if self.before_per_s and self.after_per_s:
-            rates = (f"; {self.before_per_s:,.0f} -> {self.after_per_s:,.0f} elements/s "
+            rates = (f"; stored part {self.before_per_s:,.0f} -> {self.after_per_s:,.0f} "
+                     "elements/s "
                      f"({self.after_per_s / self.before_per_s:.1f}x)")
         return f"tfspeed.optimize: {self.verdict}{rates}"
 
@@ -92,28 +98,29 @@ def _rewrite(dataset, report: Report, cache_dir, ram_budget_mb, probe_seconds):
     if plan.stored is None:
         return _unchanged(dataset, report, plan.reason)
     try:
-        ops = store.graph_ops(plan.stored)
-        key, files = store.fingerprint(plan.stored)
+        key, files, ops = store.describe(plan.stored)
     except Exception as e:  # noqa: BLE001  e.g. "PyFunc is stateful" (tensorflow#44763)
         return _unchanged(dataset, report, f"its graph cannot be read "
                           f"({str(e).splitlines()[0][:120]})")
     why = graph.impurity(ops)
     if why:
         return _unchanged(dataset, report, f"its source {why}")
-    budget = _budget(plan.stored, ram_budget_mb, cache_dir)
-    if isinstance(budget, str):
-        return _unchanged(dataset, report, budget)
     held = store.Store(store.root(cache_dir), key)
     report.store, report.state = held.folder, held.state
     if held.state == "busy":
         return _unchanged(dataset, report, "another live process is writing its store "
                           f"{held.folder}")
+    budget = _budget(plan.stored, held, ram_budget_mb)
+    if isinstance(budget, str):
+        held.abandon()
+        return _unchanged(dataset, report, budget)
     base = plan.stored.cache(held.prefix)
-    in_ram = budget.get("fits_ram", False)
+    in_ram = budget["fits_ram"]
     if in_ram:  # later epochs read RAM, not the file
         base = base.cache()
     out = plan.replay(base)
     if out.element_spec != dataset.element_spec:  # a rebuild that does not give it back
+        held.abandon()
         return _unchanged(dataset, report, "its rebuilt form would change the element_spec "
                           f"to {out.element_spec}")
     _describe(plan, report, files, in_ram)
@@ -123,14 +130,10 @@ def _rewrite(dataset, report: Report, cache_dir, ram_budget_mb, probe_seconds):
         return out
     timed = held.timing()
     if timed is None:  # once per store: the figures are kept beside it for every later run
-        # On copies (iterating the user's own object would advance its shuffles' seeds), for
-        # at most a fifth of an epoch each: the probe must not cost what it could save.
-        share = max(2, int(dataset.cardinality()) // PROBE_SHARE_OF_EPOCH)
-        timed = {"before_per_s": _rate(graph.copy(dataset), probe_seconds, share),
-                 "after_per_s": _rate(plan.replay(plan.stored.cache(held.prefix)),
-                                      probe_seconds, share)}
+        timed = _probe(plan.stored, held.prefix, budget["count"], probe_seconds)
         held.keep_timing(timed)
     report.before_per_s, report.after_per_s = timed["before_per_s"], timed["after_per_s"]
+    report.probe_elements = timed.get("elements", 0)
     if report.after_per_s > report.before_per_s:
         report.verdict = f"replaying the stored deterministic part from {held.folder}"
         return out
@@ -143,6 +146,20 @@ def _rewrite(dataset, report: Report, cache_dir, ram_budget_mb, probe_seconds):
         return plan.replay(plan.stored.cache())
     return _unchanged(dataset, report, "the stored part read no faster than computing it, "
                       "and it does not fit the RAM budget")
+
+
+def _probe(stored, prefix: str, count: int, seconds: float) -> dict:
+    """The stored part computed against the stored part read, each for at most a tenth of
+    its elements (``PROBE_UNKNOWN`` where its count is unknown) or ``seconds``.
+
+    Only the stored part: what follows it is the same in both (timing whole pipelines also
+    filled a moved shuffle's buffer, a whole epoch of the store, before its first element).
+    The stored part holds no shuffle, so iterating the user's own objects advances no seeds.
+    """
+    most = max(PROBE_LEAST, count // PROBE_SHARE_OF_EPOCH) if count >= 0 else PROBE_UNKNOWN
+    before, n = _rate(stored, seconds, most)
+    after, _ = _rate(stored.cache(prefix), seconds, n)
+    return {"before_per_s": before, "after_per_s": after, "elements": n}
 
 
 def _unchanged(dataset, report: Report, reason: str):
@@ -166,33 +183,63 @@ def _describe(plan, report: Report, files: int, in_ram: bool) -> None:
                                 "op is stored")
 
 
-def _budget(stored, ram_budget_mb, cache_dir) -> dict | str:
-    """Whether the stored part fits the disk (else a reason) and the RAM budget, from the
-    size of its first element times its cardinality."""
-    import os
-
+def _budget(stored, held, ram_budget_mb) -> dict | str:
+    """Whether the stored part fits the disk (else a reason) and the RAM budget: its size on
+    disk once stored, else from its ``element_spec`` (one element is computed only where
+    that has unknown dimensions: in a first run, it is computed twice)."""
     import tensorflow as tf
-
-    from tfspeed.attach import store
 
     count = int(stored.cardinality())
     if count == tf.data.INFINITE_CARDINALITY:
         return "its deterministic part repeats forever"
-    first = next(iter(stored.take(1)), None)
-    if first is None:
+    if count == 0:
         return "the pipeline is empty"
-    per = sum(int(t.numpy().nbytes) for t in tf.nest.flatten(first)
-              if hasattr(t, "numpy"))
-    total = per * count if count >= 0 else None
-    folder = store.root(cache_dir)
-    os.makedirs(folder, exist_ok=True)
-    free = shutil.disk_usage(folder).free
-    if total is not None and total > DISK_SHARE * free:
-        return (f"its deterministic part (~{total / 2**30:.1f} GiB) is over half the free "
-                f"disk at {folder}: give optimize(cache_dir=...) on a larger disk")
+    if held.state == "complete":
+        total = held.size_bytes()
+    else:
+        per = _spec_bytes(stored)
+        if per is None:
+            first = next(iter(stored.take(1)), None)
+            if first is None:
+                return "the pipeline is empty"
+            per = sum(int(t.numpy().nbytes) for t in tf.nest.flatten(first)
+                      if hasattr(t, "numpy"))
+        total = per * count if count >= 0 else None
+        free = shutil.disk_usage(os.path.dirname(held.folder)).free
+        if total is not None and total > DISK_SHARE * free:
+            return (f"its deterministic part (~{total / 2**30:.1f} GiB) is over half the free "
+                    f"disk at {os.path.dirname(held.folder)}: give optimize(cache_dir=...) on "
+                    "a larger disk")
     ram = (ram_budget_mb * 2**20 if ram_budget_mb is not None
            else RAM_SHARE * _available_memory())
-    return {"bytes": total, "fits_ram": total is not None and total <= ram}
+    return {"bytes": total, "count": count, "fits_ram": total is not None and total <= ram}
+
+
+def _spec_bytes(stored) -> int | None:
+    """Bytes of one element from its ``element_spec``: None where a dimension (other than a
+    batch's, with the maps after the batch) is unknown, or a component is a string, ragged or
+    sparse."""
+    import numpy as np
+    import tensorflow as tf
+
+    from tfspeed.attach import graph
+
+    node = stored  # the batch the stored part ends with, through the maps after it
+    while not hasattr(node, "_batch_size") and hasattr(node, "_input_dataset") and (
+            hasattr(node, "_map_func") or type(node).__name__ in graph.PASSTHROUGH):
+        node = node._input_dataset
+    batch = getattr(node, "_batch_size", None)
+    total = 0
+    for spec in tf.nest.flatten(stored.element_spec):
+        if type(spec) is not tf.TensorSpec or spec.dtype == tf.string:
+            return None
+        dims = spec.shape.as_list() if spec.shape.rank is not None else None
+        if dims and dims[0] is None and batch is not None:
+            dims[0] = int(batch)  # a batch without drop_remainder: the last one is smaller
+        if dims is None or None in dims:
+            return None
+        total += int(np.prod(dims, dtype=np.int64)) * spec.dtype.size
+    return total
 
 
 def _available_memory() -> float:
@@ -206,15 +253,15 @@ def _available_memory() -> float:
     return 2.0 * 2**30
 
 
-def _rate(dataset, seconds: float, most: int) -> float:
+def _rate(dataset, seconds: float, most: int) -> tuple[float, int]:
     """Elements/s of one pass's start, after its first element (the warm-up), over at most
-    ``most`` elements or ``seconds``."""
+    ``most`` elements or ``seconds``; and how many elements were timed."""
     it = iter(dataset)
     if next(it, None) is None:
-        return 0.0
+        return 0.0, 0
     n, start = 0, time.perf_counter()
     for _ in it:
         n += 1
         if n >= most or time.perf_counter() - start >= seconds:
             break
-    return n / max(time.perf_counter() - start, 1e-9)
+    return n / max(time.perf_counter() - start, 1e-9), n
