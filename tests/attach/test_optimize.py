@@ -269,3 +269,23 @@ def test_an_array_held_in_the_graph_is_keyed_by_its_values():
     key = store.fingerprint(arrays(digits))[0]
     assert store.fingerprint(arrays(digits.copy()))[0] == key
     assert store.fingerprint(arrays(changed))[0] != key
+
+
+@pytest.mark.parametrize("buffer, kept", [(10, True), (100, False)])
+def test_a_moved_shuffle_buffer_of_computed_elements_stays_within_the_ram_budget(
+        buffer, kept, tmp_path):
+    # 100 elements of 8 KB each: a buffer of all of them (list_files' own) is 800 KB.
+    def rows():
+        return tf.data.Dataset.range(100).shuffle(buffer, seed=1).map(
+            lambda i: tf.fill([1000], i)).batch(10)
+
+    given = rows()
+    out = optimize(given, cache_dir=str(tmp_path), ram_budget_mb=0.5, quiet=True)
+    if kept:
+        assert out.tfspeed_report.state == "writing"
+        assert any("moved before the shuffle" in c for c in out.tfspeed_report.changed)
+    else:
+        assert out is given and out.tfspeed_report.state == ""
+        assert out.tfspeed_report.verdict.startswith("left as written")
+        assert "over the RAM budget" in out.tfspeed_report.verdict
+    assert same(elements(out), elements(rows()))

@@ -45,6 +45,7 @@ class Plan:
     moved: int = 0
     batched: bool = False
     suffix: list = dataclasses.field(default_factory=list)
+    buffered: int = 0  # stored elements a moved shuffle holds at once (its buffer)
 
 
 def chain(dataset) -> list:
@@ -105,8 +106,9 @@ def plan(dataset) -> Plan:
     if unknown:
         return Plan(None, None, f"tfspeed cannot rebuild {unknown[0]}, which follows the "
                     "deterministic part: left as written")
+    buffered = max((int(n._buffer_size) for n in pending), default=0) if moved else 0
     return Plan(stored, lambda base: _replay(base, suffix), stop, maps, moved, batched,
-                [_name(n) for n in suffix])
+                [_name(n) for n in suffix], buffered)
 
 
 def _name(node) -> str:

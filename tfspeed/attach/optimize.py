@@ -111,8 +111,11 @@ def _rewrite(dataset, report: Report, cache_dir, ram_budget_mb, probe_seconds):
         return _unchanged(dataset, report, "another live process is writing its store "
                           f"{held.folder}")
     budget = _budget(plan.stored, held, ram_budget_mb)
+    if not isinstance(budget, str):
+        budget = _check_buffer(plan, budget)
     if isinstance(budget, str):
         held.abandon()
+        report.store = report.state = ""
         return _unchanged(dataset, report, budget)
     base = plan.stored.cache(held.prefix)
     in_ram = budget["fits_ram"]
@@ -212,7 +215,22 @@ def _budget(stored, held, ram_budget_mb) -> dict | str:
                     "a larger disk")
     ram = (ram_budget_mb * 2**20 if ram_budget_mb is not None
            else RAM_SHARE * _available_memory())
-    return {"bytes": total, "count": count, "fits_ram": total is not None and total <= ram}
+    return {"bytes": total, "count": count, "ram": ram,
+            "fits_ram": total is not None and total <= ram}
+
+
+def _check_buffer(plan, budget: dict) -> dict | str:
+    """A map moved before a shuffle fills its buffer with stored elements (decoded images)
+    instead of what it held (paths): list_files' buffer is every file, the whole decoded
+    epoch. Refused where that is over the RAM budget (the store itself may stay on disk)."""
+    if not plan.buffered or budget["bytes"] is None or budget["count"] <= 0:
+        return budget
+    held = min(plan.buffered, budget["count"]) * budget["bytes"] / budget["count"]
+    if held <= budget["ram"]:
+        return budget
+    return (f"moving its map(s) before the shuffle would hold {plan.buffered} computed "
+            f"elements (~{held / 2**20:,.0f} MiB) in the shuffle's buffer, over the RAM budget "
+            f"({budget['ram'] / 2**20:,.0f} MiB; optimize(ram_budget_mb=...))")
 
 
 def _spec_bytes(stored) -> int | None:
