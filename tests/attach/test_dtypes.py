@@ -170,3 +170,14 @@ def test_anything_but_a_keras_model_is_one_line(photo_folder):
 def test_help_says_a_model_gives_a_tuple_back():
     assert "tuple ``(dataset, model)``" in tfspeed.optimize.__doc__
     assert "train, model = tfspeed.optimize(train, model)" in tfspeed.optimize.__doc__
+
+
+def test_the_returned_model_saves_and_reloads_with_the_same_numbers(photo_folder, tmp_path):
+    scale = SCALES["normalise"]
+    train, adapted = optimize(stored_uint8(photo_folder, scale), small_model(),
+                              cache_dir=str(tmp_path), quiet=True)
+    adapted.save(tmp_path / "adapted.keras")
+    again = keras.models.load_model(tmp_path / "adapted.keras")
+    batch = next(iter(train))[0]
+    np.testing.assert_array_equal(again.predict(batch, verbose=0),
+                                  adapted.predict(batch, verbose=0))

@@ -7,7 +7,7 @@ is rebuilt to hand the uint8 argument on as it is, and the cast and its constant
 the map's own graph, run later with the same ops in the same order (``RealDiv`` stays a
 division: ``x / 255`` and ``x * (1/255)`` differ in the last bit for 126 of the 256 values):
 
-- with the user's model: in ``uint8_model``, a Keras model that takes the uint8 images, scales
+- with the user's model: in ``scale_model.uint8_model``, a Keras model that takes the uint8 images, scales
   them inside the compiled step and calls the user's model (its weights, not a copy);
 - without one: after the store, so the stored part is uint8 (4x smaller) and yields float32.
 
@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import keras
 import numpy as np
 
 # Binary ops with one constant side that keep the values an exact function of the uint8 ones;
@@ -84,11 +83,15 @@ def find(dataset, model=None) -> Found:
     Raises:
       UsageError: ``model`` is not a Keras model.
     """
-    if model is not None and not isinstance(model, keras.Model):
-        from tfspeed.errors import UsageError
+    if model is not None:
+        import keras  # only here: without a model, Keras need not load
 
-        raise UsageError(f"tfspeed.optimize(dataset, model): model must be a keras.Model, got "
-                         f"{type(model).__name__}; pass the model you give to fit, or none")
+        if not isinstance(model, keras.Model):
+            from tfspeed.errors import UsageError
+
+            raise UsageError(f"tfspeed.optimize(dataset, model): model must be a keras.Model, "
+                             f"got {type(model).__name__}; pass the model you give to fit, "
+                             "or none")
     try:
         return _find(dataset)
     except Exception as e:  # noqa: BLE001  an op or a node this module does not know
@@ -222,11 +225,10 @@ def _carry(node, base):
     return graph.rebuild(node, base)
 
 
-def apply(x, dtype: str, steps, ops=None, values=None):
-    """``steps`` on ``x`` after a cast to ``dtype``, op for op (``ops``: ``keras.ops`` by
-    default; TensorFlow's inside a pipeline), with ``values`` in place of the steps' constants
+def apply(x, dtype: str, steps, ops, values=None):
+    """``steps`` on ``x`` after a cast to ``dtype``, op for op, with ``ops`` (``keras.ops`` in a
+    model; TensorFlow's inside a pipeline) and ``values`` in place of the steps' constants
     where given."""
-    ops = ops or keras.ops
     x = ops.cast(x, dtype)
     for k, s in enumerate(steps):
         value = np.asarray(s.value, dtype=dtype) if values is None else values[k]
@@ -262,73 +264,6 @@ def _tf_ops():
                                  add=tf.math.add, subtract=tf.math.subtract)
 
 
-@keras.saving.register_keras_serializable(package="tfspeed")
-class UintScale(keras.layers.Layer):
-    """Casts uint8 images to ``out_dtype`` and applies the pipeline's steps, op for op.
-
-    The constants are held in non-trainable weights, not written into the graph: Grappler's
-    constant folding turns ``x / 255`` into ``x * (1/255)`` in a compiled step (not in a
-    tf.data map, nor eagerly), which differs in the last bit for half the uint8 values, and
-    would fold two constant steps into one. A weight is not folded.
-    """
-
-    def __init__(self, steps, out_dtype: str = "float32", **kwargs):
-        super().__init__(dtype=out_dtype, **kwargs)
-        self.steps = tuple(s if isinstance(s, Step) else Step(s["op"], np.asarray(
-            s["value"], dtype=out_dtype), s["left"]) for s in steps)
-        self.out_dtype = out_dtype
-
-    def build(self, input_shape):
-        self.values = [self.add_weight(shape=s.value.shape, dtype=self.out_dtype,
-                                       initializer=keras.initializers.Constant(s.value),
-                                       trainable=False, name=f"step_{k}")
-                       for k, s in enumerate(self.steps)]
-        for weight, s in zip(self.values, self.steps, strict=True):
-            weight.assign(np.asarray(s.value, dtype=self.out_dtype))  # exactly, not value * ones
-
-    def call(self, x):
-        return apply(x, self.out_dtype, self.steps, values=self.values)
-
-    def compute_output_spec(self, x):
-        return keras.KerasTensor(x.shape, dtype=self.out_dtype)
-
-    def get_config(self):
-        return {**super().get_config(), "out_dtype": self.out_dtype, "steps": [
-            {"op": s.op, "value": s.value.tolist(), "left": s.left} for s in self.steps]}
-
-
-def uint8_model(found: Found, model, spec):
-    """A Keras model that takes the uint8 images of ``spec`` (the element_spec of ``found``'s
-    pipeline), scales them as the pipeline did and calls ``model``: its layers, so training
-    either trains both. Compiled as ``model`` was, with its optimizer.
-
-    Returns:
-      The model, or why not in words.
-    """
-    import tensorflow as tf
-
-    for name in ("train_step", "test_step", "compute_loss"):
-        if getattr(type(model), name) is not getattr(keras.Model, name):
-            return (f"the model overrides {name}, which a model around it would not call: "
-                    "scale inside your model to send uint8")
-    x_spec = spec[0] if isinstance(spec, tuple) else spec
-    leaves = tf.nest.flatten(x_spec)
-    if any(i >= len(leaves) for i in found.scales):
-        return "its scaled images are not the model's input (the x of (x, y))"
-    if any(s.shape.rank is None or s.shape.rank < 2 for s in leaves):
-        return "its elements are not batches of images of a known rank"
-    inputs = [keras.Input(shape=s.shape[1:], dtype=s.dtype.name) for s in leaves]
-    scaled = [UintScale(found.scales[i][1], found.scales[i][0])(x) if i in found.scales else x
-              for i, x in enumerate(inputs)]
-    outputs = model(tf.nest.pack_sequence_as(x_spec, scaled))
-    adapted = keras.Model(tf.nest.pack_sequence_as(x_spec, inputs), outputs,
-                          name=f"{model.name}_uint8")
-    config = getattr(getattr(model, "_compile_config", None), "config", None)
-    if getattr(model, "compiled", False) and config:
-        adapted.compile(**{**config, "optimizer": model.optimizer})
-    return adapted
-
-
 def finish(found: Found, original, source, out, model, report):
     """Applies what ``find`` found to ``out`` (what the store made of ``source``), and says so
     in ``report``.
@@ -342,7 +277,9 @@ def finish(found: Found, original, source, out, model, report):
         return out, model
     why = "give the model too, optimize(ds, model), to send uint8 and scale inside its step"
     if model is not None:
-        adapted = uint8_model(found, model, out.element_spec)
+        from tfspeed.attach import scale_model
+
+        adapted = scale_model.uint8_model(found, model, out.element_spec)
         if not isinstance(adapted, str):
             report.changed.append(
                 f"dtypes: images leave as uint8 (4x fewer bytes to the device); the returned "

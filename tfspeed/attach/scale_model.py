@@ -1,0 +1,83 @@
+"""The user's model behind a layer that scales uint8 images as their pipeline did, op for op
+(``tfspeed.optimize(ds, model)``; ``dtypes`` finds the scale). Its own module: Keras loads only
+where a model is given.
+
+A model saved from the returned one reloads where this module is imported (its layer is
+registered as ``tfspeed>UintScale``); the user's own model, whose weights it trains, saves and
+reloads in stock Keras as before.
+"""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+
+from tfspeed.attach import dtypes
+
+
+@keras.saving.register_keras_serializable(package="tfspeed")
+class UintScale(keras.layers.Layer):
+    """Casts uint8 images to ``out_dtype`` and applies the pipeline's steps, op for op.
+
+    The constants are held in non-trainable weights, not written into the graph: Grappler's
+    constant folding turns ``x / 255`` into ``x * (1/255)`` in a compiled step (not in a
+    tf.data map, nor eagerly), which differs in the last bit for half the uint8 values, and
+    would fold two constant steps into one. A weight is not folded.
+    """
+
+    def __init__(self, steps, out_dtype: str = "float32", **kwargs):
+        kwargs.pop("dtype", None)  # a saved config holds it: it is out_dtype
+        super().__init__(dtype=out_dtype, **kwargs)
+        self.steps = tuple(s if isinstance(s, dtypes.Step) else dtypes.Step(s["op"], np.asarray(
+            s["value"], dtype=out_dtype), s["left"]) for s in steps)
+        self.out_dtype = out_dtype
+
+    def build(self, input_shape):
+        self.values = [self.add_weight(shape=s.value.shape, dtype=self.out_dtype,
+                                       initializer=keras.initializers.Constant(s.value),
+                                       trainable=False, name=f"step_{k}")
+                       for k, s in enumerate(self.steps)]
+        for weight, s in zip(self.values, self.steps, strict=True):
+            weight.assign(np.asarray(s.value, dtype=self.out_dtype))  # exactly, not value * ones
+
+    def call(self, x):
+        return dtypes.apply(x, self.out_dtype, self.steps, keras.ops, self.values)
+
+    def compute_output_spec(self, x):
+        return keras.KerasTensor(x.shape, dtype=self.out_dtype)
+
+    def get_config(self):
+        return {**super().get_config(), "out_dtype": self.out_dtype, "steps": [
+            {"op": s.op, "value": s.value.tolist(), "left": s.left} for s in self.steps]}
+
+
+def uint8_model(found: dtypes.Found, model, spec):
+    """A Keras model that takes the uint8 images of ``spec`` (the element_spec of ``found``'s
+    pipeline), scales them as the pipeline did and calls ``model``: its layers, so training
+    either trains both. Compiled as ``model`` was, with its optimizer.
+
+    Returns:
+      The model, or why not in words.
+    """
+    import tensorflow as tf
+
+    for name in ("train_step", "test_step", "compute_loss"):
+        if getattr(type(model), name) is not getattr(keras.Model, name):
+            return (f"the model overrides {name}, which a model around it would not call: "
+                    "scale inside your model to send uint8")
+    x_spec = spec[0] if isinstance(spec, tuple) else spec
+    leaves = tf.nest.flatten(x_spec)
+    if any(i >= len(leaves) for i in found.scales):
+        return "its scaled images are not the model's input (the x of (x, y))"
+    if any(s.shape.rank is None or s.shape.rank < 2 for s in leaves):
+        return "its elements are not batches of images of a known rank"
+    inputs = [keras.Input(shape=s.shape[1:], dtype=s.dtype.name) for s in leaves]
+    scaled = [UintScale(found.scales[i][1], found.scales[i][0])(x) if i in found.scales else x
+              for i, x in enumerate(inputs)]
+    outputs = model(tf.nest.pack_sequence_as(x_spec, scaled))
+    adapted = keras.Model(tf.nest.pack_sequence_as(x_spec, inputs), outputs,
+                          name=f"{model.name}_uint8")
+    config = getattr(getattr(model, "_compile_config", None), "config", None)
+    if getattr(model, "compiled", False) and config:
+        adapted.compile(**{**config, "optimizer": model.optimizer})
+    return adapted
