@@ -136,6 +136,8 @@ def made_and_scaled_in_one_map(folder):
      "come from before its last map (e.g. tf.image.resize, which interpolates)"),
     (resized_then_scaled, "leave a resize (ResizeBilinear)"),
     (made_and_scaled_in_one_map, "made uint8 and scaled in the same map"),
+    (lambda f: stored_uint8(f, lambda x, y: (tf.cast(x, tf.float32) * np.ones(
+        (1, SIZE, SIZE, 3), np.float32), y)), "its scale changes the images' shape"),
     (lambda f: tf.data.Dataset.range(8).map(lambda i: (i, i)).batch(2),
      "no float output leaves its last map"),
 ])

@@ -7,8 +7,8 @@ is rebuilt to hand the uint8 argument on as it is, and the cast and its constant
 the map's own graph, run later with the same ops in the same order (``RealDiv`` stays a
 division: ``x / 255`` and ``x * (1/255)`` differ in the last bit for 126 of the 256 values):
 
-- with the user's model: in ``scale_model.uint8_model``, a Keras model that takes the uint8 images, scales
-  them inside the compiled step and calls the user's model (its weights, not a copy);
+- with the user's model: in ``scale_model.uint8_model``, a Keras model that takes the uint8
+  images, scales them inside the compiled step and calls the user's model (its weights);
 - without one: after the store, so the stored part is uint8 (4x smaller) and yields float32.
 
 Nothing that is not exact is rewritten: an image that leaves a resize (``tf.image.resize``
@@ -137,12 +137,16 @@ def _scales(node) -> tuple[dict, str]:
         if not tensor.dtype.is_floating:
             continue
         traced = _trace(tensor, args)
+        if not isinstance(traced, str) and tensor.shape != args[traced[0]].shape:
+            traced = (f"its scale changes the images' shape ({args[traced[0]].shape} to "
+                      f"{tensor.shape}): left as it is")
         if isinstance(traced, str):
             reasons.append((tensor.shape.rank or 0, traced))
         else:
             found[i] = traced
     if found or not reasons:
-        return found, "" if found else "no float output leaves its last map: nothing to send as uint8"
+        return found, "" if found else ("no float output leaves its last map: nothing to send "
+                                        "as uint8")
     return {}, max(reasons, key=lambda r: r[0])[1]
 
 
@@ -165,7 +169,8 @@ def _trace(tensor, args: list):
                 steps.append(Step(op.type, np.asarray(first), left=True))
                 tensor = op.inputs[1]
             else:
-                return f"its images are computed by {op.type} of two tensors, not scaled by constants"
+                return (f"its images are computed by {op.type} of two tensors, not scaled by "
+                        "constants")
         elif op.type == "Cast":
             source = op.inputs[0]
             if source.dtype.name != "uint8":
@@ -204,6 +209,8 @@ def _uint8_map(node, base, passed: dict):
 
     fn = node._map_func.function
 
+    # Plain Python over tensors: AutoGraph would only spend time transpiling it (~0.2 s).
+    @tf.autograph.experimental.do_not_convert
     def call(*args):
         flat_args = tf.nest.flatten(args)
         flat = tf.nest.flatten(fn(*flat_args))
@@ -244,6 +251,7 @@ def restore(found: Found, dataset):
 
     spec, ops = dataset.element_spec, _tf_ops()
 
+    @tf.autograph.experimental.do_not_convert  # AutoGraph cost 0.7 s of a later run's setup
     def scale(*args):
         flat = tf.nest.flatten(args)
         for i, (dtype, steps) in found.scales.items():
