@@ -183,3 +183,36 @@ def test_the_returned_model_saves_and_reloads_with_the_same_numbers(photo_folder
     batch = next(iter(train))[0]
     np.testing.assert_array_equal(again.predict(batch, verbose=0),
                                   adapted.predict(batch, verbose=0))
+
+
+ON_JAX = """
+import os, sys
+import keras, numpy as np, tensorflow as tf
+from tests.attach.test_dtypes import SCALES, small_model, stored_uint8
+from tfspeed.attach.optimize import optimize
+assert keras.backend.backend() == "jax"
+folder, cache = sys.argv[1:]
+theirs, ours = small_model(), small_model()
+train, adapted = optimize(stored_uint8(folder, SCALES["normalise"]), ours, cache_dir=cache,
+                          quiet=True)
+assert np.array_equal(adapted.predict(train, verbose=0),
+                      theirs.predict(stored_uint8(folder, SCALES["normalise"]), verbose=0))
+assert adapted.fit(train, verbose=0).history == theirs.fit(
+    stored_uint8(folder, SCALES["normalise"]), verbose=0).history
+print("same numbers")
+"""
+
+
+def test_on_jax_the_returned_model_gives_the_same_numbers(photo_folder, tmp_path):
+    """XLA turns a division by a broadcast scalar into a multiplication by its reciprocal
+    (126 of the 256 values of x / 255 differ): the model looks the values up instead."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    env = {**os.environ, "KERAS_BACKEND": "jax", "TF_CPP_MIN_LOG_LEVEL": "3",
+           "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-c", ON_JAX, photo_folder, str(tmp_path)], env=env,
+                          capture_output=True, text=True, timeout=300, cwd=str(REPO))
+    assert done.stdout.strip().endswith("same numbers"), done.stderr[-2000:]

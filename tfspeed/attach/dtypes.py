@@ -4,16 +4,20 @@ Where the pipeline's last map computes a float image as ``cast(uint8 argument)``
 scalar or per-channel constants (``tf.cast(x, tf.float32) / 255.``,
 ``tf.image.convert_image_dtype(x, tf.float32)``, ``keras.layers.Rescaling`` on uint8), that map
 is rebuilt to hand the uint8 argument on as it is, and the cast and its constants, read from
-the map's own graph, run later with the same ops in the same order (``RealDiv`` stays a
-division: ``x / 255`` and ``x * (1/255)`` differ in the last bit for 126 of the 256 values):
+the map's own graph, are applied later:
 
 - with the user's model: in ``scale_model.uint8_model``, a Keras model that takes the uint8
-  images, scales them inside the compiled step and calls the user's model (its weights);
-- without one: after the store, so the stored part is uint8 (4x smaller) and yields float32.
+  images, looks each value up in a table of what those ops give (``table``) inside the
+  compiled step, and calls the user's model (its weights);
+- without one: after the store, with the same ops in the same order, so the stored part is
+  uint8 (4x smaller) and yields float32.
 
-Nothing that is not exact is rewritten: an image that leaves a resize (``tf.image.resize``
-interpolates, as ``keras.utils.image_dataset_from_directory`` does) holds fractional values no
-uint8 can give back, and is left as it is with one line that says so.
+Either way exact: ``x / 255`` and ``x * (1/255)`` differ in the last bit for 126 of the 256
+values, and compilers make that swap (Grappler's constant folding, XLA), so a division stays a
+division in tf.data and becomes a lookup in a model. Nothing that is not exact is rewritten: an
+image that leaves a resize (``tf.image.resize`` interpolates, as
+``keras.utils.image_dataset_from_directory`` does) holds fractional values no uint8 can give
+back, and is left as it is with one line that says so.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import dataclasses
 import numpy as np
 
 # Binary ops with one constant side that keep the values an exact function of the uint8 ones;
-# the op names of the graph, each with its keras.ops function.
+# the op names of the graph, each with the name ``apply`` calls.
 AFFINE = {"Mul": "multiply", "RealDiv": "divide", "Div": "divide", "AddV2": "add",
           "Add": "add", "Sub": "subtract"}
 NOT_WITH_CONSTANT_LEFT = ("RealDiv", "Div")  # c / x is no scale
@@ -232,13 +236,11 @@ def _carry(node, base):
     return graph.rebuild(node, base)
 
 
-def apply(x, dtype: str, steps, ops, values=None):
-    """``steps`` on ``x`` after a cast to ``dtype``, op for op, with ``ops`` (``keras.ops`` in a
-    model; TensorFlow's inside a pipeline) and ``values`` in place of the steps' constants
-    where given."""
+def apply(x, dtype: str, steps, ops):
+    """``steps`` on ``x`` after a cast to ``dtype``, op for op, with ``ops`` (TensorFlow's)."""
     x = ops.cast(x, dtype)
-    for k, s in enumerate(steps):
-        value = np.asarray(s.value, dtype=dtype) if values is None else values[k]
+    for s in steps:
+        value = np.asarray(s.value, dtype=dtype)
         fn = getattr(ops, AFFINE[s.op])
         x = fn(value, x) if s.left else fn(x, value)
     return x
@@ -261,9 +263,30 @@ def restore(found: Found, dataset):
     return dataset.map(scale, num_parallel_calls=tf.data.AUTOTUNE).prefetch(tf.data.AUTOTUNE)
 
 
+TABLE_MOST = 2**20  # entries of a model's lookup table (4 MiB in float32)
+
+
+def table(dtype: str, steps) -> tuple[np.ndarray, tuple]:
+    """The scale of every uint8 value, as TensorFlow's CPU kernels compute it in the pipeline:
+    ``(values, shape)``, ``values[v * n + p]`` the result for value ``v`` at position ``p`` of
+    ``shape`` (the constants' broadcast shape, ``n`` its size).
+
+    A model looks its inputs up here instead of computing them: a lookup is exact on every
+    backend and compiler, where arithmetic is not (XLA turns ``x / 255`` into
+    ``x * (1/255)``, as Grappler's constant folding does in a compiled step; half the uint8
+    values then differ in the last bit).
+    """
+    import tensorflow as tf
+
+    shape = np.broadcast_shapes(*(np.shape(s.value) for s in steps)) if steps else ()
+    values = np.arange(256, dtype=np.uint8).reshape((256,) + (1,) * len(shape))
+    with tf.device("/CPU:0"):
+        out = apply(tf.constant(values), dtype, steps, _tf_ops()).numpy()
+    return np.broadcast_to(out, (256, *shape)).reshape(-1), tuple(shape)
+
+
 def _tf_ops():
-    """The ``keras.ops`` functions ``apply`` calls, as TensorFlow's (inside a pipeline, whatever
-    Keras' backend)."""
+    """The functions ``apply`` calls, TensorFlow's (a pipeline's, whatever Keras' backend)."""
     import types
 
     import tensorflow as tf
@@ -291,8 +314,8 @@ def finish(found: Found, original, source, out, model, report):
         if not isinstance(adapted, str):
             report.changed.append(
                 f"dtypes: images leave as uint8 (4x fewer bytes to the device); the returned "
-                f"model computes {found.formula()} inside its step and calls yours (the same "
-                "weights): the same numbers")
+                f"model gives each value what {found.formula()} gave (looked up, inside its "
+                "step) and calls yours (the same weights): the same numbers")
             report.verdict += "; uint8 images, scaled inside the returned model"
             return out, adapted
         why = adapted

@@ -61,9 +61,10 @@ def optimize(dataset, model=None, *, cache_dir: str | None = None,
     Where the pipeline's last map scales uint8 images to floats exactly (``tf.cast(x,
     tf.float32) / 255.``, ``tf.image.convert_image_dtype``, ``keras.layers.Rescaling`` on
     uint8), the dataset given back with a model yields the uint8 images (4x fewer bytes to the
-    device), and the model given back takes them, applies the same cast and constants, op for
-    op, inside its compiled step, and calls yours: the same numbers, and your model's own
-    weights (training it trains yours; save yours as before). Without a model the images
+    device), and the model given back takes them, gives each value what the pipeline's cast
+    and constants gave (a lookup inside its compiled step, exact on every backend), and calls
+    yours: the same numbers, and your model's own weights (training it trains yours; save
+    yours as before). Without a model the images
     still leave as float32 (a store holds them as uint8). Images from a resize, as
     ``keras.utils.image_dataset_from_directory`` gives them, are fractional and stay as they
     are; the report says why.

@@ -17,12 +17,9 @@ from tfspeed.attach import dtypes
 
 @keras.saving.register_keras_serializable(package="tfspeed")
 class UintScale(keras.layers.Layer):
-    """Casts uint8 images to ``out_dtype`` and applies the pipeline's steps, op for op.
-
-    The constants are held in non-trainable weights, not written into the graph: Grappler's
-    constant folding turns ``x / 255`` into ``x * (1/255)`` in a compiled step (not in a
-    tf.data map, nor eagerly), which differs in the last bit for half the uint8 values, and
-    would fold two constant steps into one. A weight is not folded.
+    """Takes uint8 images and gives what the pipeline's cast and steps gave, by looking each
+    value up in ``dtypes.table``: exact on every backend and compiler, where computing it is
+    not (XLA and Grappler turn ``x / 255`` into ``x * (1/255)``).
     """
 
     def __init__(self, steps, out_dtype: str = "float32", **kwargs):
@@ -31,17 +28,19 @@ class UintScale(keras.layers.Layer):
         self.steps = tuple(s if isinstance(s, dtypes.Step) else dtypes.Step(s["op"], np.asarray(
             s["value"], dtype=out_dtype), s["left"]) for s in steps)
         self.out_dtype = out_dtype
+        self._values, shape = dtypes.table(out_dtype, self.steps)
+        self._positions = np.arange(max(1, int(np.prod(shape))), dtype=np.int32).reshape(shape)
 
     def build(self, input_shape):
-        self.values = [self.add_weight(shape=s.value.shape, dtype=self.out_dtype,
-                                       initializer=keras.initializers.Constant(s.value),
-                                       trainable=False, name=f"step_{k}")
-                       for k, s in enumerate(self.steps)]
-        for weight, s in zip(self.values, self.steps, strict=True):
-            weight.assign(np.asarray(s.value, dtype=self.out_dtype))  # exactly, not value * ones
+        self.values = self.add_weight(shape=self._values.shape, dtype=self.out_dtype,
+                                      initializer="zeros", trainable=False, name="table")
+        self.values.assign(self._values)
 
     def call(self, x):
-        return dtypes.apply(x, self.out_dtype, self.steps, keras.ops, self.values)
+        index = keras.ops.cast(x, "int32")
+        if self._positions.size > 1:  # per channel (or position): value * n + position
+            index = index * self._positions.size + self._positions
+        return keras.ops.take(self.values, index)
 
     def compute_output_spec(self, x):
         return keras.KerasTensor(x.shape, dtype=self.out_dtype)
@@ -65,6 +64,11 @@ def uint8_model(found: dtypes.Found, model, spec):
         if getattr(type(model), name) is not getattr(keras.Model, name):
             return (f"the model overrides {name}, which a model around it would not call: "
                     "scale inside your model to send uint8")
+    for _, steps in found.scales.values():
+        size = 256 * int(np.prod(np.broadcast_shapes(*(np.shape(s.value) for s in steps))))
+        if size > dtypes.TABLE_MOST:
+            return (f"its scale's constants vary over {size // 256} positions: the model's "
+                    f"lookup table of {size} values would be too large")
     x_spec = spec[0] if isinstance(spec, tuple) else spec
     leaves = tf.nest.flatten(x_spec)
     if any(i >= len(leaves) for i in found.scales):
