@@ -308,9 +308,7 @@ def finish(found: Found, original, source, out, model, report):
         return out, model
     why = "give the model too, optimize(ds, model), to send uint8 and scale inside its step"
     if model is not None:
-        from tfspeed.attach import scale_model
-
-        adapted = scale_model.uint8_model(found, model, out.element_spec)
+        adapted = _uint8_model(found, model, out.element_spec)
         if not isinstance(adapted, str):
             report.changed.append(
                 f"dtypes: images leave as uint8 (4x fewer bytes to the device); the returned "
@@ -331,3 +329,18 @@ def finish(found: Found, original, source, out, model, report):
                           f"{found.formula()} runs after it: the same numbers")
     report.unchanged.append(f"dtypes: images still leave as float32: {why}")
     return restored, model
+
+
+def _uint8_model(found: Found, model, spec):
+    """``scale_model.uint8_model`` with ``found``'s tables, or why not."""
+    from tfspeed.attach import scale_model  # Keras, only where a model is given
+
+    tables = {}
+    for i, (dtype, steps) in found.scales.items():
+        size = 256 * int(np.prod(np.broadcast_shapes(*(np.shape(s.value) for s in steps))))
+        if size > TABLE_MOST:  # a mean image, say, rather than a value per channel
+            return (f"its scale's constants vary over {size // 256} positions: the model's "
+                    f"lookup table of {size} values would be too large")
+        values, shape = table(dtype, steps)
+        tables[i] = (values, shape, dtype)
+    return scale_model.uint8_model(tables, model, spec)
