@@ -55,13 +55,29 @@ class Report:
         return f"tfspeed.optimize: {self.verdict}{rates}"
 
 
-def optimize(dataset, *, cache_dir: str | None = None,
+def optimize(dataset, model=None, *, cache_dir: str | None = None,
              ram_budget_mb: float | None = None, probe_seconds: float = PROBE_SECONDS,
              quiet: bool = False):
-    """Returns ``dataset`` faster: the same ``element_spec`` and the same elements.
+    """Returns ``dataset`` faster: the same ``element_spec`` and the same elements; with
+    ``model``, returns ``(dataset, model)``, where images may travel as uint8.
+
+        train = tfspeed.optimize(train)
+        train, model = tfspeed.optimize(train, model)   # then model.fit(train, ...)
+
+    Where the pipeline's last map scales uint8 images to floats exactly (``tf.cast(x,
+    tf.float32) / 255.``, ``tf.image.convert_image_dtype``, ``keras.layers.Rescaling`` on
+    uint8), the dataset given back with a model yields the uint8 images (4x fewer bytes to the
+    device), and the model given back takes them, gives each value what the pipeline's cast
+    and constants gave (a lookup inside its compiled step, exact on every backend), and calls
+    yours: the same numbers, and your model's own weights (training it trains yours; save
+    yours as before). Without a model the images
+    still leave as float32 (a store holds them as uint8). Images from a resize, as
+    ``keras.utils.image_dataset_from_directory`` gives them, are fractional and stay as they
+    are; the report says why.
 
     Args:
       dataset: a ``tf.data.Dataset``, as the script builds it.
+      model: the ``keras.Model`` given to ``fit``, or None.
       cache_dir: where stores go; default ``$TFSPEED_CACHE_DIR`` or ``~/.cache/tfspeed``.
       ram_budget_mb: the most a stored part may also hold in RAM (later epochs read it
         there); default a quarter of the memory available now.
@@ -69,7 +85,10 @@ def optimize(dataset, *, cache_dir: str | None = None,
       quiet: print nothing (the report is on ``result.tfspeed_report``).
 
     Returns:
-      The dataset (rewritten, or the one given), with ``tfspeed_report`` set to a ``Report``.
+      Without ``model``: the dataset (rewritten, or the one given), with ``tfspeed_report``
+      set to a ``Report``. With ``model``: a tuple ``(dataset, model)``, the model being a new
+      one around yours (compiled as yours was) where the dataset yields uint8 images, else
+      yours.
     """
     import tensorflow as tf
 
@@ -78,17 +97,19 @@ def optimize(dataset, *, cache_dir: str | None = None,
                          f"{type(dataset).__name__}: wrap arrays with "
                          "tf.data.Dataset.from_tensor_slices((x, y)).batch(N)")
     report = Report()
-    out = _rewrite(dataset, report, cache_dir, ram_budget_mb, probe_seconds)
-    report.unchanged += [
-        "dtypes: images leave the pipeline as they did (the uint8 rewrite is not built yet)",
-    ]
+    from tfspeed.attach import dtypes  # uint8 images where the pipeline scales them exactly
+
+    found = dtypes.find(dataset, model)
+    source = dataset if found.uint8 is None else found.uint8
+    out = _rewrite(source, report, cache_dir, ram_budget_mb, probe_seconds)
+    out, adapted = dtypes.finish(found, dataset, source, out, model, report)
     for name in USER_ATTRIBUTES:
         if hasattr(dataset, name):
             setattr(out, name, getattr(dataset, name))
     out.tfspeed_report = report
     if not quiet:
         print(report.line(), file=sys.stderr)
-    return out
+    return out if model is None else (out, adapted)
 
 
 def _rewrite(dataset, report: Report, cache_dir, ram_budget_mb, probe_seconds):
