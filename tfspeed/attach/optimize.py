@@ -49,13 +49,15 @@ class Report:
         return f"tfspeed.optimize: {self.verdict}{rates}"
 
 
-def optimize(dataset, *, cache_dir: str | None = None,
+def optimize(dataset, model=None, *, cache_dir: str | None = None,
              ram_budget_mb: float | None = None, probe_seconds: float = PROBE_SECONDS,
              quiet: bool = False):
     """Returns ``dataset`` faster: the same ``element_spec`` and the same elements.
 
     Args:
       dataset: a ``tf.data.Dataset``, as the script builds it.
+      model: the compiled Keras model it trains, where a rewrite needs one (text batched by
+        length: only where this model gives the same outputs on trimmed padding).
       cache_dir: where stores go; default ``$TFSPEED_CACHE_DIR`` or ``~/.cache/tfspeed``.
       ram_budget_mb: the most a stored part may also hold in RAM (later epochs read it
         there); default a quarter of the memory available now.
@@ -63,7 +65,8 @@ def optimize(dataset, *, cache_dir: str | None = None,
       quiet: print nothing (the report is on ``result.tfspeed_report``).
 
     Returns:
-      The dataset (rewritten, or the one given), with ``tfspeed_report`` set to a ``Report``.
+      The dataset (rewritten, or the one given), with ``tfspeed_report`` set to a ``Report``;
+      given a model, ``(dataset, model)``, the model adapted where a rewrite needs it.
     """
     import tensorflow as tf
 
@@ -73,6 +76,9 @@ def optimize(dataset, *, cache_dir: str | None = None,
                          "tf.data.Dataset.from_tensor_slices((x, y)).batch(N)")
     report = Report()
     out = _rewrite(dataset, report, cache_dir, ram_budget_mb, probe_seconds)
+    from tfspeed.attach import lengths  # text padded to a fixed length, batched by length
+
+    out, adapted = lengths.by_length(out, dataset, model, report, probe_seconds)
     report.unchanged += [
         "dtypes: images leave the pipeline as they did (the uint8 rewrite is not built yet)",
     ]
@@ -82,7 +88,7 @@ def optimize(dataset, *, cache_dir: str | None = None,
     out.tfspeed_report = report
     if not quiet:
         print(report.line(), file=sys.stderr)
-    return out
+    return out if model is None else (out, adapted)
 
 
 def _rewrite(dataset, report: Report, cache_dir, ram_budget_mb, probe_seconds):
