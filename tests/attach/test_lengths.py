@@ -23,7 +23,10 @@ def corpus():
     and the tutorial's vectoriser padding every text to 128 ids."""
     texts = paragraphs()[:TEXTS]
     labels = [i % 3 for i in range(len(texts))]
-    vectorize = keras.layers.TextVectorization(max_tokens=VOCAB, output_sequence_length=LENGTH)
+    # Named: an auto-named one would number the next (text_vectorization_1), and the store's
+    # key of test_optimize's vectoriser holds that number in its functions' argument names.
+    vectorize = keras.layers.TextVectorization(max_tokens=VOCAB, output_sequence_length=LENGTH,
+                                               name="tutorial_vectorize")
     vectorize.adapt(tf.constant(texts))
     return texts, labels, vectorize
 
