@@ -80,17 +80,28 @@ def per_example_loss(model, batches) -> dict:
 
 def test_regrouped_batches_hold_every_example_once_each_trimmed_to_a_width(corpus):
     tokens = lengths.find(tutorial(corpus).element_spec)
-    tokens.batch = BATCH
+    tokens.batch, tokens.widths = BATCH, [8, 16, 32, 64, LENGTH]
     regrouped = list(lengths.regroup(tutorial(corpus), tokens))
     assert examples(regrouped) == examples(tutorial(corpus))
     shapes = collections.Counter(np.shape(x)[1] for x, _ in regrouped)
-    assert len(shapes) >= 3 and set(shapes) <= set(lengths.widths(LENGTH))
+    assert len(shapes) >= 3 and set(shapes) <= set(tokens.widths)
     assert all(len(y) <= BATCH for _, y in regrouped)
     # One partial batch at most per width; all the others full.
     assert sum(len(y) < BATCH for _, y in regrouped) <= len(shapes)
     for x, _ in regrouped:  # each batch is as wide as its longest row rounds up to
         longest = lengths.row_lengths(np.asarray(x)).max()
-        assert np.shape(x)[1] == min(w for w in lengths.widths(LENGTH) if w >= longest)
+        assert np.shape(x)[1] == min(w for w in tokens.widths if w >= longest)
+
+
+def test_the_widths_suit_the_lengths_and_never_cut_a_row(corpus):
+    x = np.concatenate([np.asarray(b[0]) for b in tutorial(corpus)])
+    found = lengths.row_lengths(x)
+    widths = lengths.choose_widths(found, LENGTH)
+    assert widths[-1] == LENGTH and len(widths) <= lengths.BUCKETS
+    assert all(w % 8 == 0 for w in widths) and widths == sorted(set(widths))
+    # Most of the padding goes: rows are padded to their width, not to 128.
+    edges = np.asarray(widths)
+    assert edges[np.searchsorted(edges, found)].mean() < 0.5 * LENGTH
 
 
 def test_a_masking_model_trains_on_batches_by_length_with_the_same_loss_per_example(

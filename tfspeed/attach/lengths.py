@@ -10,8 +10,9 @@ perturbed ones (masking hides padding at any weights; a model that merely happen
 padding no weight now does not). The rewrite is kept only where its train steps measure faster.
 
 The rewrite, after the user's pipeline: unbatch, group rows by the width their length rounds up
-to (a short ladder of widths, so that a compiled step sees few shapes), batch each group at the
-user's batch size, and trim each batch to its width. Every example passes once per epoch, with
+to (at most ``BUCKETS`` widths, chosen from the sample's lengths by ``data.buckets``' planner,
+so that a compiled step sees few shapes), batch each group at the user's batch size, and trim
+each batch to its width. Every example passes once per epoch, with
 its tokens and labels as they were, less trailing padding; the last batches of an epoch may be
 smaller (one per width).
 """
@@ -27,7 +28,8 @@ import time
 import numpy as np
 
 PAD = 0  # TextVectorization's padding id (and pad_sequences')
-MIN_WIDTH = 8
+MIN_WIDTH = 8  # and every width a multiple of it
+BUCKETS = 8  # widths at most, the padded length among them: shapes a compiled step sees
 SAMPLE_BATCHES = 24  # read once: the check and the timing use them
 CHECK_BATCHES = 4
 TOLERANCE = 1e-5  # relative: float32 rounding of reductions over a few hundred positions
@@ -39,11 +41,13 @@ TIMING = "lengths-{}.json"
 @dataclasses.dataclass
 class Tokens:
     """Where the padded tokens are: ``index`` in the element's tuple (None: the element is
-    the tensor), ``length`` the padded length, ``batch`` the pipeline's batch size."""
+    the tensor), ``length`` the padded length; ``batch`` the pipeline's batch size and
+    ``widths`` those batches are trimmed to, once a sample is read."""
 
     index: int | None
     length: int
     batch: int = 0
+    widths: list[int] = dataclasses.field(default_factory=list)
 
 
 def find(spec) -> Tokens | str | None:
@@ -67,14 +71,22 @@ def find(spec) -> Tokens | str | None:
     return Tokens(0 if isinstance(spec, tuple) else None, length)
 
 
-def widths(length: int) -> list[int]:
-    """The widths a batch is trimmed to: 8, 16, 24, then 1.5x steps (32, 48, 64, 96, ...),
-    and ``length``. At most 1/3 more than the longest row; few shapes to trace or compile."""
-    ladder, w = [8, 16, 24], 32
-    while w < length:
-        ladder += [w, w * 3 // 2]
-        w *= 2
-    return sorted({x for x in ladder if x < length} | {length})
+def choose_widths(lengths: np.ndarray, length: int) -> list[int]:
+    """The widths batches are trimmed to: the bucket boundaries (multiples of 8) that bring
+    the padding of rows of these lengths lowest, and ``length``, so that no row is ever cut.
+
+    Args:
+      lengths: a sample's row lengths, without padding.
+      length: the padded length.
+
+    Returns:
+      At most ``BUCKETS`` ascending widths, the last ``length``.
+    """
+    from tfspeed.data import buckets
+
+    bounds, _ = buckets.choose_boundaries(buckets.length_counts_of(lengths), length,
+                                          num_buckets=BUCKETS - 1, multiple=MIN_WIDTH)
+    return sorted(set(bounds) | {length})
 
 
 def row_lengths(tokens: np.ndarray) -> np.ndarray:
@@ -89,22 +101,22 @@ def regroup(dataset, tokens: Tokens):
     the same length, each trimmed to the width its longest row rounds up to."""
     import tensorflow as tf
 
-    ladder = tf.constant(widths(tokens.length), tf.int32)
+    edges = tf.constant(tokens.widths, tf.int32)
     positions = tf.range(1, tokens.length + 1, dtype=tf.int32)
 
     def ids(parts):
         return parts if tokens.index is None else parts[tokens.index]
 
-    def width(x):  # the ladder's first width at least as long as x's rows
+    def width(x):  # the first width at least as long as x's rows
         n = tf.reduce_max(tf.where(tf.not_equal(x, PAD), positions, 0))
-        return tf.searchsorted(ladder, tf.reshape(n, [1]), side="left")[0]
+        return tf.searchsorted(edges, tf.reshape(n, [1]), side="left")[0]
 
     def key(*parts):
         return tf.cast(width(ids(parts)), tf.int64)
 
     def trim(*parts):
         x = ids(parts)
-        cut = x[:, :ladder[width(x)]]
+        cut = x[:, :edges[width(x)]]
         if tokens.index is None:
             return cut
         return (*parts[:tokens.index], cut, *parts[tokens.index + 1:])
@@ -140,7 +152,8 @@ def by_length(dataset, source, model, report, probe_seconds: float):
         return dataset, model
     tokens.batch = max(len(_ids(b, tokens)) for b in sample)
     lengths = np.concatenate([row_lengths(_ids(b, tokens)) for b in sample])
-    after = _mean_width(lengths, tokens.length)
+    tokens.widths = choose_widths(lengths, tokens.length)
+    after = _mean_width(lengths, tokens.widths)
     why = _padding(sample, tokens, after)
     if why:
         return _refused(dataset, model, report, why)
@@ -214,11 +227,11 @@ def _sample(source) -> list:
     return [tf.nest.map_structure(np.asarray, b) for b in batches]
 
 
-def _mean_width(lengths: np.ndarray, length: int) -> float:
-    """The mean width a row is batched at: its length rounded up the ladder (each batch holds
+def _mean_width(lengths: np.ndarray, widths: list[int]) -> float:
+    """The mean width a row is batched at: its length rounded up to a width (each batch holds
     rows of one width)."""
-    ladder = np.asarray(widths(length))
-    return float(ladder[np.searchsorted(ladder, lengths, side="left")].mean())
+    edges = np.asarray(widths)
+    return float(edges[np.searchsorted(edges, lengths, side="left")].mean())
 
 
 def _padding(sample, tokens: Tokens, after: float) -> str:
