@@ -135,10 +135,16 @@ def test_a_model_built_for_the_fixed_length_is_rebuilt_on_its_own_layers(corpus)
     assert rebuilt is not model and rebuilt.input.shape == (None, None)
     for name in ("embed", "head"):
         assert rebuilt.get_layer(name) is model.get_layer(name)
-    x = sample[0][0]
+    x, y = sample[0]
     n = lengths.row_lengths(x).max()
     np.testing.assert_allclose(rebuilt.predict_on_batch(x[:, :n]), model.predict_on_batch(x),
                                rtol=1e-5, atol=1e-7)
+    # Compiled as the user's, with the user's optimizer: training it trains the user's model.
+    assert rebuilt.optimizer is model.optimizer
+    before = model.get_layer("head").kernel.numpy()
+    rebuilt.train_on_batch(x[:, :n], y)
+    assert not np.array_equal(model.get_layer("head").kernel.numpy(), before)
+    assert int(model.optimizer.iterations.numpy()) == 1
 
 
 @pytest.mark.parametrize("make_model, words", [

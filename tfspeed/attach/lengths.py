@@ -177,8 +177,7 @@ def by_length(dataset, source, model, report, probe_seconds: float):
                         f"({rates})")
     line = (f"text batched by length: mean padded length {tokens.length} -> {after:.0f} "
             f"({rates})")
-    if accepting is not model:  # the same layers, variables and optimizer: fit trains them
-        accepting.compile(**{**model._compile_config.config, "optimizer": model.optimizer})
+    if accepting is not model:
         line += "; the model rebuilt for any length, sharing its layers and optimizer"
     report.changed.append(line)
     report.verdict += f"; {line}"
@@ -255,7 +254,7 @@ def _trimmed(batch, tokens: Tokens, width: int | None = None):
 
 def _accepting(model, batch, tokens: Tokens):
     """``model`` where it takes rows of any length; else the same layers under an input of
-    any length; else why not."""
+    any length, compiled as ``model``; else why not."""
     import keras
 
     try:
@@ -272,10 +271,12 @@ def _accepting(model, batch, tokens: Tokens):
             rebuilt = keras.models.clone_model(model, input_tensors=rows,
                                                clone_function=lambda layer: layer)
         rebuilt(_trimmed(batch, tokens, MIN_WIDTH), training=False)
-        return rebuilt
     except Exception as e:  # noqa: BLE001  a Flatten or Dense over the sequence
         return (f"the model takes only rows of {tokens.length} tokens, and rebuilt for any "
                 f"length it fails ({str(e).splitlines()[0][:100]}): left padded")
+    # Compiled as the user's, with its optimizer: fit trains the same variables and slots.
+    rebuilt.compile(**{**model._compile_config.config, "optimizer": model.optimizer})
+    return rebuilt
 
 
 def _differs(model, batches, tokens: Tokens) -> str:
