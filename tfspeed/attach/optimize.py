@@ -77,7 +77,9 @@ def optimize(dataset, model=None, *, cache_dir: str | None = None,
 
     Args:
       dataset: a ``tf.data.Dataset``, as the script builds it.
-      model: the ``keras.Model`` given to ``fit``, or None.
+      model: the compiled ``keras.Model`` given to ``fit``, or None: the rewrites that need
+        it (uint8 images scaled inside a model around yours; text batched by length, only
+        where this model gives the same outputs on trimmed padding).
       cache_dir: where stores go; default ``$TFSPEED_CACHE_DIR`` or ``~/.cache/tfspeed``.
       ram_budget_mb: the most a stored part may also hold in RAM (later epochs read it
         there); default a quarter of the memory available now.
@@ -87,8 +89,9 @@ def optimize(dataset, model=None, *, cache_dir: str | None = None,
     Returns:
       Without ``model``: the dataset (rewritten, or the one given), with ``tfspeed_report``
       set to a ``Report``. With ``model``: a tuple ``(dataset, model)``, the model being a new
-      one around yours (compiled as yours was) where the dataset yields uint8 images, else
-      yours.
+      one around yours (compiled as yours was) where the dataset yields uint8 images, a
+      rebuilt one on your layers where text is batched by length and yours was built for the
+      fixed length only, else yours.
     """
     import tensorflow as tf
 
@@ -103,6 +106,9 @@ def optimize(dataset, model=None, *, cache_dir: str | None = None,
     source = dataset if found.uint8 is None else found.uint8
     out = _rewrite(source, report, cache_dir, ram_budget_mb, probe_seconds)
     out, adapted = dtypes.finish(found, dataset, source, out, model, report)
+    from tfspeed.attach import lengths  # text padded to a fixed length, batched by length
+
+    out, adapted = lengths.by_length(out, dataset, adapted, report, probe_seconds)
     for name in USER_ATTRIBUTES:
         if hasattr(dataset, name):
             setattr(out, name, getattr(dataset, name))
