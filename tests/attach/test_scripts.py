@@ -64,6 +64,95 @@ model.fit(x, y, batch_size=64, epochs=2, verbose=0)
 print("SCRIPT done")
 '''
 
+DIGITS = '''
+"""A small CNN on the digits, as users write it: tf.data, callbacks, evaluate, save, reload."""
+import json
+import sys
+
+import keras
+import numpy as np
+import tensorflow as tf
+from sklearn.datasets import load_digits
+
+digits = load_digits()
+x, y = (digits.images[..., None] / 16.0).astype("float32"), digits.target
+train = tf.data.Dataset.from_tensor_slices((x[:256], y[:256])).shuffle(256, seed=1).batch(32)
+val = tf.data.Dataset.from_tensor_slices((x[256:336], y[256:336])).batch(32)
+keras.utils.set_random_seed(1)
+model = keras.Sequential([keras.Input((8, 8, 1)), keras.layers.Conv2D(4, 3, activation="relu"),
+                          keras.layers.Flatten(), keras.layers.Dense(10, activation="softmax")])
+model.compile(keras.optimizers.Adam(1e-2), "sparse_categorical_crossentropy",
+              metrics=["accuracy"])
+events = []
+
+
+class Events(keras.callbacks.Callback):
+    def on_train_begin(self, logs=None):
+        events.append("train_begin")
+
+    def on_epoch_begin(self, epoch, logs=None):
+        events.append(f"begin {epoch}")
+
+    def on_epoch_end(self, epoch, logs=None):
+        events.append(f"end {epoch} {sorted(logs)}")
+
+    def on_train_end(self, logs=None):
+        events.append("train_end")
+
+
+class StopAfter(keras.callbacks.Callback):
+    def on_epoch_end(self, epoch, logs=None):
+        self.model.stop_training = epoch == 1
+
+
+history = model.fit(train, validation_data=val, epochs=3, callbacks=[Events()], verbose=0)
+stopped = model.fit(train, validation_data=val, epochs=5, callbacks=[StopAfter()], verbose=0)
+loss, accuracy = model.evaluate(val, verbose=0)
+predicted = model.predict(val, verbose=0)
+model.save(sys.argv[1])
+again = keras.models.load_model(sys.argv[1])
+print("SCRIPT " + json.dumps({
+    "keys": sorted(history.history), "epoch": history.epoch, "params": history.params,
+    "same_model": history.model is model, "val_accuracy": history.history["val_accuracy"],
+    "events": events, "stopped_epochs": stopped.epoch, "evaluate": accuracy,
+    "reloaded": bool(np.allclose(again.predict(val, verbose=0), predicted, atol=1e-5)),
+    "iterations": int(model.optimizer.iterations)}))
+'''
+
+FALLBACKS = '''
+"""fit calls the engine does not take: each runs on Keras' fit, with one line."""
+import keras
+import tensorflow as tf
+from sklearn.datasets import load_digits
+
+digits = load_digits()
+x, y = (digits.images.reshape(-1, 64) / 16.0).astype("float32"), digits.target % 2
+data = tf.data.Dataset.from_tensor_slices((x[:128], y[:128])).batch(32)
+model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(1, activation="sigmoid")])
+model.compile("adam", "binary_crossentropy", metrics=[keras.metrics.AUC()])
+model.fit(data, epochs=2, verbose=0)
+model.compile("adam", "binary_crossentropy", metrics=["accuracy"])
+model.fit(data, epochs=2, class_weight={0: 1.0, 1: 2.0}, verbose=0)
+print("SCRIPT done")
+'''
+
+COMPUTE = '''
+"""A convolution-heavy model on arrays held in memory: the step, not the input, sets the pace."""
+import keras
+import numpy as np
+import tensorflow as tf
+
+x = np.random.default_rng(0).random((512, 32, 32, 3), dtype="float32")
+y = np.arange(512) % 10
+train = tf.data.Dataset.from_tensor_slices((x, y)).batch(64)
+model = keras.Sequential([keras.Input((32, 32, 3)),
+                          keras.layers.Conv2D(64, 3, padding="same", activation="relu"),
+                          keras.layers.Conv2D(64, 3, padding="same", activation="relu"),
+                          keras.layers.GlobalAveragePooling2D(), keras.layers.Dense(10)])
+model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+model.fit(train, epochs=2, verbose=0)
+'''
+
 
 @pytest.fixture(scope="module")
 def scripts(tmp_path_factory):
@@ -71,15 +160,26 @@ def scripts(tmp_path_factory):
     photos = write_photos(root / "photos", classes=2, per_class=16)
     (root / "tutorial.py").write_text(TUTORIAL)
     (root / "arrays.py").write_text(ARRAYS)
+    (root / "digits.py").write_text(DIGITS)
+    (root / "fallbacks.py").write_text(FALLBACKS)
+    (root / "compute.py").write_text(COMPUTE)
     (root / "nofit.py").write_text("print('no training here')\n")
     return root, str(photos)
 
 
-def tfspeed(command, *args, cwd, cache):
+def tfspeed(command, *args, cwd, cache, backend="tensorflow"):
+    """``python -m tfspeed.COMMAND ARGS`` (``command`` None: ``python ARGS``, as written)."""
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONPATH": str(REPO),
-           "TFSPEED_CACHE_DIR": str(cache)}
-    return subprocess.run([sys.executable, "-m", f"tfspeed.{command}", *args], cwd=cwd,
-                          env=env, capture_output=True, text=True, timeout=300)
+           "TFSPEED_CACHE_DIR": str(cache), "KERAS_BACKEND": backend}
+    head = ["-m", f"tfspeed.{command}"] if command else []
+    return subprocess.run([sys.executable, *head, *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def script_figures(done) -> dict:
+    assert done.returncode == 0, done.stderr[-3000:]
+    line = next(line for line in done.stdout.splitlines() if line.startswith("SCRIPT "))
+    return json.loads(line[len("SCRIPT "):])
 
 
 def test_the_tutorial_script_runs_unchanged_and_replays_its_store_on_the_next_run(scripts):
@@ -89,11 +189,45 @@ def test_the_tutorial_script_runs_unchanged_and_replays_its_store_on_the_next_ru
     assert first.returncode == 0, first.stderr[-2000:]
     # The script's own figures: history keys, callbacks, evaluate, predict and a stock reload.
     assert "SCRIPT epochs=3 begins=3 predictions=8 reloaded=True" in first.stdout
-    assert "fit 1: epoch 1" in first.stdout and "as written while storing" in first.stdout
+    assert "examples/s as written (epoch 1 on Keras' fit" in first.stdout
+    assert "on tfspeed's engine" in first.stdout and "x: storing the deterministic part" in first.stdout
     second = tfspeed("run", *args, cwd=root, cache=root / "cache")
     assert second.returncode == 0, second.stderr[-2000:]
     assert "SCRIPT epochs=3 begins=3" in second.stdout
     assert "x: replaying the stored" in second.stdout or "kept in RAM" in second.stdout
+
+
+@pytest.mark.parametrize("backend", ["tensorflow", "jax"])
+def test_the_step_runs_on_tfspeeds_engine_and_the_script_sees_what_keras_gives(
+        scripts, backend):
+    root, _ = scripts
+    written = script_figures(tfspeed(None, "digits.py", str(root / f"w-{backend}.keras"),
+                                     cwd=root, cache=root / "cache-w", backend=backend))
+    done = tfspeed("run", "digits.py", str(root / f"t-{backend}.keras"), cwd=root,
+                   cache=root / "cache-t", backend=backend)
+    through = script_figures(done)
+    # Callbacks in Keras' order with val_* per epoch, History's keys, epochs and params, a
+    # callback's stop honoured, the optimizer's updates counted on from Keras' epoch 1.
+    for key in ("keys", "epoch", "params", "same_model", "events", "stopped_epochs",
+                "iterations"):
+        assert through[key] == written[key], key
+    assert len(through["val_accuracy"]) == 3 and through["reloaded"] is True
+    lines = [line for line in done.stdout.splitlines() if line.startswith("tfspeed.run: fit")]
+    assert len(lines) == 2 and all("on tfspeed's engine" in line for line in lines), lines
+    assert "epoch 3 on tfspeed's engine" in lines[0]
+
+
+def test_what_the_engine_cannot_take_runs_on_keras_fit_with_one_line(scripts):
+    root, _ = scripts
+    done = tfspeed("run", "fallbacks.py", cwd=root, cache=root / "cache-f")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "SCRIPT done" in done.stdout and "Traceback" not in done.stderr
+    lines = [line for line in done.stdout.splitlines() if line.startswith("tfspeed.run: fit")]
+    assert len(lines) == 2, done.stdout
+    assert lines[0].endswith("the step ran on Keras' own fit: metric auc (AUC) is not a mean "
+                             "of per-example values")
+    assert lines[1].endswith("the step ran on Keras' own fit: fit(class_weight=...) is "
+                             "Keras' own")
 
 
 def test_diagnose_gives_a_verdict_on_the_scripts_first_fit_and_stops_it(scripts):
@@ -109,6 +243,20 @@ def test_diagnose_gives_a_verdict_on_the_scripts_first_fit_and_stops_it(scripts)
     assert result["pipeline"]["storable"] is True
 
 
+def test_diagnose_says_a_compute_bound_script_is_not_limited_by_its_input(scripts):
+    root, _ = scripts
+    done = tfspeed("diagnose", "compute.py", cwd=root, cache=root / "cache-c")
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads((root / "tfspeed_diagnose" / "diagnose.json").read_text())
+    assert result["verdict"] == "compute-bound: the input is not your limit", result["why"]
+    assert "COMPUTE-BOUND: THE INPUT IS NOT YOUR LIMIT" in done.stdout
+    # The step-side figures that would help: XLA measured, batch and precision named.
+    advice = " ".join(step["advice"] for step in result["next_steps"])
+    assert "under XLA" in advice or "XLA measured" in advice
+    assert "a larger batch" in advice and "mixed precision" in advice
+    assert not any("optimize" in step["advice"] for step in result["next_steps"])
+
+
 def test_arrays_are_diagnosed_and_fed_as_written(scripts):
     root, _ = scripts
     done = tfspeed("diagnose", "arrays.py", cwd=root, cache=root / "cache-a")
@@ -118,6 +266,7 @@ def test_arrays_are_diagnosed_and_fed_as_written(scripts):
     assert ran.returncode == 0, ran.stderr[-2000:]
     assert "SCRIPT done" in ran.stdout
     assert "is not a tf.data.Dataset (ndarray): fed by Keras as written" in ran.stdout
+    assert "the step ran on Keras' own fit: x is a ndarray, not a tf.data.Dataset" in ran.stdout
 
 
 @pytest.mark.parametrize("command, script, message", [

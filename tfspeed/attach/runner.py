@@ -38,22 +38,36 @@ def diagnose_script(path: str, argv: list[str], out_dir: str = "tfspeed_diagnose
 
 
 def run_script(path: str, argv: list[str]) -> list[dict]:
-    """Runs the script to its end, each ``fit``'s datasets given to ``tfspeed.optimize``;
-    prints, per fit, its first epoch against its later ones.
+    """Runs the script to its end, each ``fit``'s datasets given to ``tfspeed.optimize`` and
+    its step to tfspeed's engine after a first epoch as written (``attach.step``); a ``fit``
+    the engine cannot take runs on Keras' own, with the reason. Prints one line per ``fit``.
 
     Returns:
-      Per ``fit`` call: what was optimised and the epoch times.
+      Per ``fit`` call: what was optimised, where the step ran and the epochs' clocks.
     """
+    from tfspeed.attach import step
+
     fits: list[dict] = []
 
     def handler(model, fit, args):
         record = {"changed": [], "epoch_seconds": []}
+        fits.append(record)
+        reason = step.why_not(model, args)
+        written = {name: args.get(name) for name in ("x", "validation_data")}
         for name in ("x", "validation_data"):
             args[name] = _optimized(args.get(name), name, record)
+        if reason is None:
+            try:
+                history = step.run_fit(model, fit, {**args, "written": written}, record)
+            except step.NotOnEngine as e:  # met before any epoch ran
+                reason = str(e)
+            else:
+                print(step.summary(len(fits), record) + "; data: " + "; ".join(record["changed"]))
+                return history
+        record["keras_fit"] = reason
         args["callbacks"] = [*(args.get("callbacks") or []), _EpochClock(record)]
         history = fit(model, **args)
-        fits.append(record)
-        print(_summary(len(fits), record))
+        print(_summary(len(fits), record) + f"; the step ran on Keras' own fit: {reason}")
         return history
 
     script.run(path, argv, handler)

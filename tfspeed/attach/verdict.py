@@ -126,6 +126,10 @@ def _step_fixes(ms: dict) -> list[dict]:
     fixes.append({"advice": "a larger batch, or model.compile(steps_per_execution=N) where a "
                   "step is short: fewer Python round trips per example",
                   "expected_gain": "unmeasured", "score": 0.5})
+    fixes.append({"advice": "mixed precision: keras.mixed_precision.set_global_policy("
+                  "'mixed_float16') before the model is built on a GPU ('mixed_bfloat16' on a "
+                  "TPU or a CPU with AMX); python -m tfspeed.run keeps the model's own",
+                  "expected_gain": "unmeasured (none on most CPUs)", "score": 0.4})
     return fixes
 
 

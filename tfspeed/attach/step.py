@@ -1,0 +1,314 @@
+"""A script's ``fit``, its step on tfspeed's engine (``python -m tfspeed.run``).
+
+The first epoch runs on Keras' own ``fit`` as the script wrote it: it is the figure "before",
+measured in this run. The later epochs continue on ``tfspeed.fit`` from the same weights and
+optimizer state (the same optimizer object and variables: on TensorFlow its variables, on
+JAX the values the engine copies in and writes back), with the model's own loss, metrics and
+optimizer, steps per call and XLA as the driver resolves them. A built model keeps its own
+precision (``tfspeed.fit``'s rule): the saved model is the one the script built.
+
+The script's callbacks see one training run, as Keras calls them: ``on_train_begin`` once,
+epochs numbered on from the first, ``val_*`` in each epoch's logs, ``on_train_end`` once,
+and ``model.stop_training`` honoured. ``fit`` returns a ``keras.callbacks.History`` with the
+keys Keras' would have.
+
+What the engine cannot take (``why_not``) runs on Keras' ``fit`` as written, with one line
+that says why.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import time
+
+# fit's arguments the engine takes as Keras does; any other given runs on Keras' fit.
+TAKEN = {"x", "y", "validation_data", "epochs", "callbacks", "verbose", "shuffle",
+         "batch_size", "initial_epoch", "validation_freq"}
+
+
+class NotOnEngine(Exception):  # noqa: N818 -- a reason, not an error
+    """Why this ``fit`` runs on Keras' own ``fit``: its one line."""
+
+
+def why_not(model, args: dict) -> str | None:
+    """Why the engine cannot take this ``fit`` call (None: it can).
+
+    Args:
+      model: the model ``fit`` was called on.
+      args: the call's arguments by name.
+
+    Returns:
+      One phrase (what, and that Keras runs it), or None.
+    """
+    import keras
+    import tensorflow as tf
+
+    x, val = args.get("x"), args.get("validation_data")
+    if not isinstance(x, tf.data.Dataset):
+        return f"x is a {type(x).__name__}, not a tf.data.Dataset"
+    others = sorted(set(args) - TAKEN)
+    if others:
+        return f"fit({', '.join(others)}=...) is Keras' own"
+    if args.get("y") is not None:
+        return "y= was given beside a dataset"
+    if (args.get("initial_epoch") or 0) or args.get("validation_freq", 1) != 1:
+        return "initial_epoch or validation_freq was given"
+    if val is not None and not isinstance(val, tf.data.Dataset):
+        return f"validation_data is a {type(val).__name__}, not a tf.data.Dataset"
+    for name, data in (("x", x), ("validation_data", val)):
+        if data is not None and not _pairs(data):
+            return f"{name} yields no (inputs, labels) pairs (sample weights, or inputs alone)"
+    if args.get("epochs", 1) < 2:
+        return "one epoch: it is the epoch measured as written"
+    if getattr(model, "_compile_config", None) is None or model.optimizer is None:
+        return "the model is not compiled"
+    for method in ("train_step", "compute_loss", "test_step"):
+        if getattr(type(model), method) is not getattr(keras.Model, method):
+            return f"the model has its own {method}"
+    if isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer):
+        return "the optimizer scales the loss (mixed precision): Keras' step owns that"
+    if getattr(model, "distribute_strategy", None) is not None and (
+            tf.distribute.has_strategy() or type(model.distribute_strategy).__name__
+            not in ("_DefaultDistributionStrategy",)):
+        return "the model was built in a tf.distribute strategy's scope"
+    config = model._compile_config.config
+    if config.get("loss_weights") or config.get("weighted_metrics"):
+        return "loss_weights or weighted_metrics were compiled"
+    if len(getattr(model, "outputs", None) or [None]) != 1:
+        return "the model has several outputs"
+    return None
+
+
+def _pairs(data) -> bool:
+    spec = data.element_spec
+    return isinstance(spec, tuple) and len(spec) == 2
+
+
+def objectives(model, train) -> tuple:
+    """The compiled loss and metrics as the engine takes them: one value per example, with
+    Keras' semantics (its own functions, arguments and "accuracy" resolution).
+
+    Args:
+      model: the compiled model.
+      train: its training dataset of ``(x, y)`` batches (the first batch resolves
+        "accuracy" as Keras' ``compile`` does: binary, sparse or categorical).
+
+    Returns:
+      ``(loss, metrics)``: a function, and functions named as Keras names the metrics.
+
+    Raises:
+      NotOnEngine: a loss or metric the engine cannot average per example.
+    """
+    import keras
+    from keras.src.losses.losses import LossFunctionWrapper
+    from keras.src.trainers import compile_utils
+
+    config = model._compile_config.config
+    loss = config.get("loss")
+    if isinstance(loss, (dict, list, tuple)) or loss is None:
+        raise NotOnEngine("the loss is not one function")
+    if not isinstance(loss, keras.losses.Loss):
+        loss = keras.losses.get(loss) if isinstance(loss, str) else loss
+        loss = LossFunctionWrapper(loss)  # as Keras' compile wraps a function
+    if loss.reduction != "sum_over_batch_size":
+        raise NotOnEngine(f"the loss reduces by {loss.reduction!r}, not the batch mean")
+    metrics = config.get("metrics") or []
+    if isinstance(metrics, dict) or any(isinstance(m, (list, dict)) for m in metrics):
+        raise NotOnEngine("metrics are given per output")
+    x, y = next(iter(train.take(1)))
+    outputs = model(x, training=False)
+    out = []
+    for given in metrics:
+        metric = compile_utils.get_metric(given, y, outputs)
+        if not isinstance(metric, keras.metrics.MeanMetricWrapper):
+            raise NotOnEngine(f"metric {metric.name} ({type(metric).__name__}) is not a mean "
+                              "of per-example values")
+        out.append(_per_example(lambda t, p, m=metric: m._fn(t, p, **m._fn_kwargs),
+                                metric.name))
+    return _per_example(loss.call, "loss"), out
+
+
+def _per_example(fn, name: str):
+    """``fn`` returning one value per example: extra axes (a sequence's steps) averaged, as
+    Keras' mean over all elements does for batches of one shape."""
+    import keras
+
+    def per_example(labels, outputs):
+        values = fn(labels, outputs)
+        if len(values.shape) > 1:
+            values = keras.ops.mean(values, axis=tuple(range(1, len(values.shape))))
+        return values
+
+    per_example.__name__ = name
+    return per_example
+
+
+def run_fit(model, fit, args: dict, record: dict):
+    """Runs one ``fit`` call: epoch 1 on Keras' ``fit`` with the data as written, the rest
+    on ``tfspeed.fit`` with ``args``' datasets (optimised where the runner did so).
+
+    Args:
+      model: the compiled model (``why_not`` found nothing against it).
+      fit: Keras' own ``fit``.
+      args: the call's arguments by name; ``written`` holds its datasets as the script made
+        them (``x``, ``validation_data``).
+      record: filled with ``epochs`` (each epoch's clock, per phase) and ``engine`` (what
+        the engine resolved).
+
+    Returns:
+      The ``keras.callbacks.History`` of all the epochs.
+
+    Raises:
+      NotOnEngine: the loss or metrics (met before any epoch runs).
+    """
+    import keras
+
+    loss, metrics = objectives(model, args["x"])
+    record["batch"] = int(keras.tree.flatten(next(iter(args["x"].take(1)))[1])[0].shape[0])
+    epochs, verbose = args.get("epochs", 1), args.get("verbose", "auto")
+    verbose = 1 if verbose == "auto" else verbose
+    history = keras.callbacks.History()
+    steps = int(args["x"].cardinality())
+    inner = keras.callbacks.CallbackList(
+        [*(args.get("callbacks") or []), history], add_progbar=verbose != 0, model=model,
+        verbose=verbose, epochs=epochs, steps=steps if steps > 0 else None)
+    keras_clock, engine_clock = [], []
+    record["epochs"] = {"keras": keras_clock, "engine": engine_clock}
+    written = args["written"]
+    record["start"] = time.perf_counter()
+    fit(model, written["x"], validation_data=written.get("validation_data"), epochs=1,
+        verbose=0, callbacks=[_relay(inner, keras_clock, first=True)])
+    record["keras_end"] = time.perf_counter()
+    if model.stop_training:  # a callback stopped it after epoch 1: the run ends there
+        inner.on_train_end(history.history and {k: v[-1] for k, v in history.history.items()})
+        return history
+    val = args.get("validation_data")
+    model_dir = tempfile.mkdtemp(prefix="tfspeed-run-")
+    try:
+        result = _engine_fit(model, args["x"], val, epochs - 1, loss, metrics, model_dir,
+                             _relay(inner, engine_clock, offset=1))
+    finally:
+        shutil.rmtree(model_dir, ignore_errors=True)
+        record["end"] = time.perf_counter()
+    record["engine"] = result
+    return history
+
+
+def _engine_fit(model, train, val, epochs: int, loss, metrics, model_dir: str, relay) -> dict:
+    """``tfspeed.fit``'s job and loop (``fit_job.prepare``, ``trainer.fit``) without its
+    files: the script saves its model itself, and the export, report and lock that
+    ``tfspeed.fit`` adds cost a second per call. The engine checkpoints only at the end.
+
+    Returns:
+      What the engine resolved: steps per call, XLA, precision.
+    """
+    from tfspeed.training import api, fit_job, trainer
+
+    config = api.fit_config(epochs=epochs, xla="auto", steps_per_execution="auto",
+                            eval_every_epochs=1 if val is not None else 0,
+                            checkpoint_every=0, model_dir=model_dir)
+    with fit_job.label_errors():
+        job = fit_job.prepare(config, model, train, val, loss=loss, metrics=metrics)
+        result = trainer.fit(
+            job.model, job.train_data, job.eval_data, config.train, job.runtime,
+            steps_per_epoch=job.steps_per_epoch, eval_steps=None,
+            global_batch_size=job.config.data.batch_size, model_dir=model_dir,
+            objectives=job.objectives, callbacks=[relay], optimizer=model.optimizer,
+            weight_scale=job.token_weight)
+    tuning = result.steps_per_execution
+    chosen = tuning.get("chosen", tuning.get("value")) if isinstance(tuning, dict) else tuning
+    return {"xla": job.runtime.plan.xla, "precision": job.runtime.plan.precision,
+            "steps_per_execution": chosen if chosen is not None else "?"}
+
+
+def _relay(inner, clock: list, first: bool = False, offset: int = 0):
+    """A callback for one phase (Keras' epoch, the engine's): passes each hook on to the
+    script's callbacks (``inner``), epochs numbered from ``offset``; only the first phase
+    begins training, only the engine's ends it. Times each epoch into ``clock``."""
+    import keras
+
+    class Relay(keras.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            if first:
+                inner.on_train_begin(logs)
+
+        def on_train_end(self, logs=None):
+            if not first:
+                inner.on_train_end(logs)
+
+        def on_epoch_begin(self, epoch, logs=None):
+            clock.append({"begin": time.perf_counter(), "calls": []})
+            inner.on_epoch_begin(epoch + offset, logs)
+
+        def on_epoch_end(self, epoch, logs=None):
+            clock[-1]["end"] = time.perf_counter()
+            inner.on_epoch_end(epoch + offset, logs)
+
+        def on_train_batch_begin(self, batch, logs=None):
+            inner.on_train_batch_begin(batch, logs)
+
+        def on_train_batch_end(self, batch, logs=None):
+            clock[-1]["calls"].append((batch, time.perf_counter()))
+            inner.on_train_batch_end(batch, logs)
+
+        def on_test_begin(self, logs=None):  # Keras' validation tells the callbacks
+            inner.on_test_begin(logs)
+
+        def on_test_batch_begin(self, batch, logs=None):
+            inner.on_test_batch_begin(batch, logs)
+
+        def on_test_batch_end(self, batch, logs=None):
+            inner.on_test_batch_end(batch, logs)
+
+        def on_test_end(self, logs=None):
+            inner.on_test_end(logs)
+
+    return Relay()
+
+
+def summary(n: int, record: dict) -> str:
+    """The line of one ``fit`` on the engine: the script's examples/s as written (Keras'
+    epoch 1 past its first step, which compiles) against tfspeed's (its later epochs; its
+    only one past its first call where it ran one), and the epochs' seconds."""
+    import statistics
+
+    keras_epochs, engine_epochs = record["epochs"]["keras"], record["epochs"]["engine"]
+    before = _rate(keras_epochs[0], warm=False) if keras_epochs else None
+    later = [r for r in (_rate(e, warm=True) for e in engine_epochs[1:]) if r]
+    after = statistics.median(later) if later else (
+        _rate(engine_epochs[0], warm=False) if engine_epochs else None)
+    batch = record["batch"]
+    last = len(engine_epochs) + 1  # the script's numbering: epoch 1 ran on Keras
+    which = (f"epoch{'s 3-' if last > 3 else ' '}{last} on tfspeed's engine"
+             + (", median" if len(later) > 1 else "") if later
+             else "epoch 2 on tfspeed's engine past its first call, which compiles")
+    if not before or not after:
+        return (f"tfspeed.run: fit {n}: too few steps to time (epoch 1 on Keras as written, "
+                f"{len(engine_epochs)} on tfspeed's engine)")
+    engine = record.get("engine", {})
+    seconds = [e["end"] - e["begin"] for e in engine_epochs if "end" in e]
+    return (f"tfspeed.run: fit {n}: {before * batch:.0f} examples/s as written (epoch 1 on "
+            f"Keras' fit past its first step) -> {after * batch:.0f} examples/s ({which}): "
+            f"{after / before:.2f}x; epoch seconds {_seconds(keras_epochs)} as written, "
+            + ", ".join(f"{s:.2f}" for s in seconds) + " on tfspeed (validation included; "
+            f"the whole fit {record['end'] - record['start']:.1f} s); "
+            f"step: {engine.get('steps_per_execution', '?')} steps per call, XLA "
+            f"{engine.get('xla', '?')}, precision {engine.get('precision', '?')} (the model's)")
+
+
+def _rate(epoch: dict, warm: bool) -> float | None:
+    """An epoch's training batches per second, to its last call's end (its validation
+    left out): from its start where ``warm`` (nothing compiles), else past its first call."""
+    calls = epoch["calls"]
+    if not calls:
+        return None
+    last, end = calls[-1]
+    if warm:
+        return (last + 1) / (end - epoch["begin"])
+    first, start = calls[0]
+    return (last - first) / (end - start) if last > first and end > start else None
+
+
+def _seconds(epochs: list) -> str:
+    return ", ".join(f"{e['end'] - e['begin']:.2f}" for e in epochs if "end" in e)
