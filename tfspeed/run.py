@@ -1,9 +1,14 @@
 """``python -m tfspeed.run train.py [its arguments]``: your own training script, unchanged,
-with every dataset it gives ``Model.fit`` stored and replayed by ``tfspeed.optimize``.
+with every dataset it gives ``Model.fit`` stored and replayed by ``tfspeed.optimize`` and the
+step on tfspeed's engine.
 
 The script runs as ``__main__`` with its own arguments, its callbacks, history, evaluate,
-predict and saving as they were. Each ``fit`` prints one line: its first epoch (as written,
-while the deterministic part is stored) against its later epochs.
+predict and saving as they were. Each ``fit`` runs its first epoch on Keras' fit as written
+(the figure "before") and the rest on tfspeed's engine (steps per call and XLA as the driver
+chooses them; the model keeps its own precision), then prints one line: examples/s as
+written against on tfspeed, and each epoch's seconds. A fit the engine cannot take (arrays, a
+PyDataset, class or sample weights, a metric that is not a mean per example, ...) runs on
+Keras' fit, and its line says why.
 """
 
 from __future__ import annotations

@@ -68,10 +68,10 @@ def why_not(model, args: dict) -> str | None:
             return f"the model has its own {method}"
     if isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer):
         return "the optimizer scales the loss (mixed precision): Keras' step owns that"
-    if getattr(model, "distribute_strategy", None) is not None and (
-            tf.distribute.has_strategy() or type(model.distribute_strategy).__name__
-            not in ("_DefaultDistributionStrategy",)):
-        return "the model was built in a tf.distribute strategy's scope"
+    strategy = getattr(model, "distribute_strategy", None)  # TensorFlow's backend only
+    if tf.distribute.has_strategy() or keras.distribution.distribution() is not None or (
+            strategy is not None and strategy is not tf.distribute.get_strategy()):
+        return "the model is distributed (a tf.distribute scope or keras.distribution)"
     config = model._compile_config.config
     if config.get("loss_weights") or config.get("weighted_metrics"):
         return "loss_weights or weighted_metrics were compiled"
@@ -179,20 +179,35 @@ def run_fit(model, fit, args: dict, record: dict):
     record["start"] = time.perf_counter()
     fit(model, written["x"], validation_data=written.get("validation_data"), epochs=1,
         verbose=0, callbacks=[_relay(inner, keras_clock, first=True)])
-    record["keras_end"] = time.perf_counter()
     if model.stop_training:  # a callback stopped it after epoch 1: the run ends there
         inner.on_train_end(history.history and {k: v[-1] for k, v in history.history.items()})
-        return history
-    val = args.get("validation_data")
+    else:
+        _rest_on_engine(model, fit, args, epochs, (loss, metrics), inner, record)
+    record["end"] = time.perf_counter()
+    return history
+
+
+def _rest_on_engine(model, fit, args, epochs: int, goals, inner, record) -> None:
+    """Epochs 2 on, on the engine; where its job refuses the data or model before any step
+    (a ``UsageError``), on Keras' fit as written, the reason in ``record["keras_rest"]``."""
+    from tfspeed.errors import UsageError
+
+    clock = record["epochs"]["engine"]
     model_dir = tempfile.mkdtemp(prefix="tfspeed-run-")
     try:
-        result = _engine_fit(model, args["x"], val, epochs - 1, loss, metrics, model_dir,
-                             _relay(inner, engine_clock, offset=1))
+        record["engine"] = _engine_fit(model, args["x"], args.get("validation_data"),
+                                       epochs - 1, *goals, model_dir,
+                                       _relay(inner, clock, offset=1))
+    except UsageError as e:
+        if clock:  # met while training: the script's own mistake, as Keras would meet it
+            raise
+        record["keras_rest"] = str(e)
+        written = args["written"]
+        fit(model, written["x"], validation_data=written.get("validation_data"),
+            epochs=epochs, initial_epoch=1, verbose=0,
+            callbacks=[_relay(inner, record["epochs"]["keras"])])
     finally:
         shutil.rmtree(model_dir, ignore_errors=True)
-        record["end"] = time.perf_counter()
-    record["engine"] = result
-    return history
 
 
 def _engine_fit(model, train, val, epochs: int, loss, metrics, model_dir: str, relay) -> dict:
@@ -274,6 +289,9 @@ def summary(n: int, record: dict) -> str:
     import statistics
 
     keras_epochs, engine_epochs = record["epochs"]["keras"], record["epochs"]["engine"]
+    if "keras_rest" in record:
+        return (f"tfspeed.run: fit {n}: epochs 2 on ran on Keras' own fit too: "
+                f"{record['keras_rest']}; epoch seconds {_seconds(keras_epochs)}")
     before = _rate(keras_epochs[0], warm=False) if keras_epochs else None
     later = [r for r in (_rate(e, warm=True) for e in engine_epochs[1:]) if r]
     after = statistics.median(later) if later else (
