@@ -17,28 +17,43 @@ import sys
 
 from tfspeed.util.cli import main_entry
 
-USAGE = ("usage: python -m tfspeed.run [--cache_dir=DIR] SCRIPT.py [the script's arguments]\n\n"
-         + __doc__ + "\n  --cache_dir: where the stores go (default: $TFSPEED_CACHE_DIR, else "
-         "~/.cache/tfspeed/datasets)\n")
+USAGE = ("usage: python -m tfspeed.run [--cache_dir=DIR] [--min_engine_seconds=S] SCRIPT.py "
+         "[the script's arguments]\n\n" + __doc__
+         + "\n  --cache_dir: where the stores go (default: $TFSPEED_CACHE_DIR, else "
+         "~/.cache/tfspeed/datasets)\n  --min_engine_seconds: a fit's epochs 2 on move to the "
+         "engine only where Keras' fit would take this long for them (default 20)\n")
 
 
 def main(argv: list[str]) -> None:
-    from tfspeed.attach.runner import run_script
+    """Runs ``[tfspeed's options] SCRIPT.py [its arguments]``."""
+    import os
 
-    run_script(argv[0], argv[1:])
+    from tfspeed.attach.runner import run_script
+    from tfspeed.attach.store import ENV_DIR
+    from tfspeed.errors import UsageError
+
+    argv, seconds = list(argv), None
+    while argv and argv[0].startswith("--"):  # tfspeed's own options, before the script
+        name, _, value = argv.pop(0).partition("=")
+        if name == "--cache_dir":
+            os.environ[ENV_DIR] = os.path.abspath(value)
+        elif name == "--min_engine_seconds" and value.replace(".", "", 1).isdigit():
+            seconds = float(value)
+        else:
+            raise UsageError(f"python -m tfspeed.run {name}={value}: its options are "
+                             "--cache_dir=DIR and --min_engine_seconds=SECONDS (a number), "
+                             "before the script")
+    if not argv:
+        raise UsageError("python -m tfspeed.run: give the script, e.g. python -m tfspeed.run "
+                         "train.py --epochs=3")
+    run_script(argv[0], argv[1:], seconds)
 
 
 def run_main() -> None:
-    import os
-
-    from tfspeed.attach.store import ENV_DIR
-
     args = sys.argv[1:]
     if not args or args[0] in ("-h", "--help", "-help"):
         print(USAGE)
         sys.exit(0 if args else 2)
-    if args[0].startswith("--cache_dir="):  # tfspeed's own option, before the script
-        os.environ[ENV_DIR] = os.path.abspath(args.pop(0).split("=", 1)[1])
     main_entry(lambda: main(args))
 
 

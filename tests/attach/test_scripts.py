@@ -185,7 +185,7 @@ def script_figures(done) -> dict:
 def test_the_tutorial_script_runs_unchanged_and_replays_its_store_on_the_next_run(scripts):
     root, photos = scripts
     args = ["tutorial.py", f"--data={photos}", f"--out={root / 'model.keras'}"]
-    first = tfspeed("run", *args, cwd=root, cache=root / "cache")
+    first = tfspeed("run", "--min_engine_seconds=0", *args, cwd=root, cache=root / "cache")
     assert first.returncode == 0, first.stderr[-2000:]
     # The script's own figures: history keys, callbacks, evaluate, predict and a stock reload.
     assert "SCRIPT epochs=3 begins=3 predictions=8 reloaded=True" in first.stdout
@@ -194,6 +194,9 @@ def test_the_tutorial_script_runs_unchanged_and_replays_its_store_on_the_next_ru
     second = tfspeed("run", *args, cwd=root, cache=root / "cache")
     assert second.returncode == 0, second.stderr[-2000:]
     assert "SCRIPT epochs=3 begins=3" in second.stdout
+    # By default a fit whose later epochs are a few seconds on Keras stays there: the
+    # engine's setup and compile would cost more than they save.
+    assert "too short to repay the engine's setup and compile" in second.stdout
     assert "x: replaying the stored" in second.stdout or "kept in RAM" in second.stdout
 
 
@@ -203,7 +206,8 @@ def test_the_step_runs_on_tfspeeds_engine_and_the_script_sees_what_keras_gives(
     root, _ = scripts
     written = script_figures(tfspeed(None, "digits.py", str(root / f"w-{backend}.keras"),
                                      cwd=root, cache=root / "cache-w", backend=backend))
-    done = tfspeed("run", "digits.py", str(root / f"t-{backend}.keras"), cwd=root,
+    done = tfspeed("run", "--min_engine_seconds=0", "digits.py",
+                   str(root / f"t-{backend}.keras"), cwd=root,
                    cache=root / "cache-t", backend=backend)
     through = script_figures(done)
     # Callbacks in Keras' order with val_* per epoch, History's keys, epochs and params, a
@@ -272,6 +276,7 @@ def test_arrays_are_diagnosed_and_fed_as_written(scripts):
 @pytest.mark.parametrize("command, script, message", [
     ("diagnose", "nofit.py", "nofit.py ended without calling model.fit"),
     ("run", "train.txt", "train.txt: not a Python script"),
+    ("run", "--min_engine_seconds=soon", "its options are --cache_dir=DIR and"),
 ])
 def test_a_script_tfspeed_cannot_use_is_one_line(scripts, command, script, message):
     root, _ = scripts

@@ -37,10 +37,16 @@ def diagnose_script(path: str, argv: list[str], out_dir: str = "tfspeed_diagnose
     return stop.result
 
 
-def run_script(path: str, argv: list[str]) -> list[dict]:
+def run_script(path: str, argv: list[str],
+               min_engine_seconds: float | None = None) -> list[dict]:
     """Runs the script to its end, each ``fit``'s datasets given to ``tfspeed.optimize`` and
     its step to tfspeed's engine after a first epoch as written (``attach.step``); a ``fit``
     the engine cannot take runs on Keras' own, with the reason. Prints one line per ``fit``.
+
+    Args:
+      path, argv: the script and its arguments.
+      min_engine_seconds: a fit's later epochs move to the engine only where Keras would
+        take this long for them (None: ``step.MIN_ENGINE_SECONDS``).
 
     Returns:
       Per ``fit`` call: what was optimised, where the step ran and the epochs' clocks.
@@ -58,7 +64,10 @@ def run_script(path: str, argv: list[str]) -> list[dict]:
             args[name] = _optimized(args.get(name), name, record)
         if reason is None:
             try:
-                history = step.run_fit(model, fit, {**args, "written": written}, record)
+                history = step.run_fit(
+                    model, fit, {**args, "written": written}, record,
+                    step.MIN_ENGINE_SECONDS if min_engine_seconds is None
+                    else min_engine_seconds)
             except step.NotOnEngine as e:  # met before any epoch ran
                 reason = str(e)
             else:

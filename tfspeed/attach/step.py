@@ -27,6 +27,13 @@ TAKEN = {"x", "y", "validation_data", "epochs", "callbacks", "verbose", "shuffle
          "batch_size", "initial_epoch", "validation_freq"}
 
 
+# Epochs 2 on move to the engine only where Keras' fit would take at least this long for
+# them (estimated from epoch 1): the engine's setup, compile and steps-per-call probes cost
+# about 1.5 s on a tiny CNN on 2 CPU cores (its 4 later epochs took 5.6 s against 4.7 s on
+# Keras as written), more for larger models; a shorter rest cannot repay them.
+MIN_ENGINE_SECONDS = 20.0
+
+
 class NotOnEngine(Exception):  # noqa: N818 -- a reason, not an error
     """Why this ``fit`` runs on Keras' own ``fit``: its one line."""
 
@@ -144,7 +151,8 @@ def _per_example(fn, name: str):
     return per_example
 
 
-def run_fit(model, fit, args: dict, record: dict):
+def run_fit(model, fit, args: dict, record: dict,
+            min_engine_seconds: float = MIN_ENGINE_SECONDS):
     """Runs one ``fit`` call: epoch 1 on Keras' ``fit`` with the data as written, the rest
     on ``tfspeed.fit`` with ``args``' datasets (optimised where the runner did so).
 
@@ -153,6 +161,8 @@ def run_fit(model, fit, args: dict, record: dict):
       fit: Keras' own ``fit``.
       args: the call's arguments by name; ``written`` holds its datasets as the script made
         them (``x``, ``validation_data``).
+      min_engine_seconds: the later epochs stay on Keras' fit where it would take less
+        (``MIN_ENGINE_SECONDS``).
       record: filled with ``epochs`` (each epoch's clock, per phase) and ``engine`` (what
         the engine resolved).
 
@@ -181,6 +191,12 @@ def run_fit(model, fit, args: dict, record: dict):
         verbose=0, callbacks=[_relay(inner, keras_clock, first=True)])
     if model.stop_training:  # a callback stopped it after epoch 1: the run ends there
         inner.on_train_end(history.history and {k: v[-1] for k, v in history.history.items()})
+    elif (rest := _keras_seconds(keras_clock[0]) * (epochs - 1)) < min_engine_seconds:
+        record["keras_rest"] = (
+            f"the {epochs - 1} epochs left would take ~{rest:.1f} s on Keras' fit (epoch 1 "
+            f"measured), under {min_engine_seconds:g} s: too short to repay the engine's setup "
+            "and compile; --min_engine_seconds=0 moves them anyway")
+        _rest_on_keras(model, fit, args, epochs, inner, record)
     else:
         _rest_on_engine(model, fit, args, epochs, (loss, metrics), inner, record)
     record["end"] = time.perf_counter()
@@ -202,12 +218,27 @@ def _rest_on_engine(model, fit, args, epochs: int, goals, inner, record) -> None
         if clock:  # met while training: the script's own mistake, as Keras would meet it
             raise
         record["keras_rest"] = str(e)
-        written = args["written"]
-        fit(model, written["x"], validation_data=written.get("validation_data"),
-            epochs=epochs, initial_epoch=1, verbose=0,
-            callbacks=[_relay(inner, record["epochs"]["keras"])])
+        _rest_on_keras(model, fit, args, epochs, inner, record)
     finally:
         shutil.rmtree(model_dir, ignore_errors=True)
+
+
+def _rest_on_keras(model, fit, args, epochs: int, inner, record) -> None:
+    """Epochs 2 on, on Keras' fit as written, numbered on and ending the run."""
+    written = args["written"]
+    fit(model, written["x"], validation_data=written.get("validation_data"), epochs=epochs,
+        initial_epoch=1, verbose=0, callbacks=[_relay(inner, record["epochs"]["keras"])])
+
+
+def _keras_seconds(epoch: dict) -> float:
+    """An epoch of Keras' fit without its compile: from its first call's end to its own
+    end (validation included), plus one batch at the pace that followed."""
+    calls = epoch["calls"]
+    if not calls:
+        return 0.0
+    (first, start), (last, end) = calls[0], calls[-1]
+    per_batch = (end - start) / (last - first) if last > first else end - start
+    return epoch["end"] - start + per_batch
 
 
 def _engine_fit(model, train, val, epochs: int, loss, metrics, model_dir: str, relay) -> dict:
