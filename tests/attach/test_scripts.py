@@ -146,8 +146,8 @@ x = np.random.default_rng(0).random((512, 32, 32, 3), dtype="float32")
 y = np.arange(512) % 10
 train = tf.data.Dataset.from_tensor_slices((x, y)).batch(64)
 model = keras.Sequential([keras.Input((32, 32, 3)),
-                          keras.layers.Conv2D(64, 3, padding="same", activation="relu"),
-                          keras.layers.Conv2D(64, 3, padding="same", activation="relu"),
+                          keras.layers.Conv2D(32, 3, padding="same", activation="relu"),
+                          keras.layers.Conv2D(32, 3, padding="same", activation="relu"),
                           keras.layers.GlobalAveragePooling2D(), keras.layers.Dense(10)])
 model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
 model.fit(train, epochs=2, verbose=0)

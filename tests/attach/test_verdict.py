@@ -41,6 +41,18 @@ def test_a_step_slower_than_its_input_is_compute_bound_with_the_step_side_figure
     assert not any("optimize" in s["advice"] for s in result["next_steps"])
 
 
+def test_a_negligible_input_is_compute_bound_even_when_other_load_slowed_together():
+    plan = graph.plan(digits_pipeline())
+    ms = {"input_alone": 0.1, "step_alone": 50.0, "together": 80.0}
+    result = verdict.decide(ms, plan, digits_pipeline().element_spec, cores=2)
+    assert result["verdict"] == verdict.COMPUTE_BOUND
+    assert "under 10% of a step: the rest is other load" in result["why"]
+    # An input that could take a tenth of the step on the CPU's cores may be what slows it.
+    ms = {"input_alone": 4.0, "step_alone": 50.0, "together": 80.0}
+    shared = verdict.decide(ms, plan, digits_pipeline().element_spec, cores=2)
+    assert shared["verdict"].startswith("input-bound")
+
+
 def test_an_input_slower_than_its_step_is_input_bound_and_optimize_comes_first():
     plan = graph.plan(digits_pipeline())
     ms = {"input_alone": 30.0, "step_alone": 10.0, "together": 31.0, "step_alone_xla": 12.0}

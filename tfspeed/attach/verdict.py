@@ -59,15 +59,24 @@ def diagnose(dataset, model, *, seconds: float = SECONDS, out_dir: str | None = 
     return result
 
 
-def decide(ms: dict, plan, element_spec) -> dict:
-    """The verdict and ranked fixes from the three timings (pure)."""
+def decide(ms: dict, plan, element_spec, cores: int | None = None) -> dict:
+    """The verdict and ranked fixes from the three timings (pure but for ``cores``, the
+    CPU's cores: None reads them)."""
     input_ms, step_ms, both = ms["input_alone"], ms["step_alone"], ms["together"]
     wait = max(0.0, 100.0 * (both - step_ms) / both)
     line = (f"input {input_ms:.1f} ms per batch, the step {step_ms:.1f} ms alone and "
             f"{both:.1f} ms with its input")
+    # An input that, on every core, takes under SAME_RATIO's share of a step cannot slow
+    # the step by more: "together" slower than that is other load on a shared machine (its
+    # timings are taken one after the other), not the input.
+    cores = cores or os.cpu_count() or 1
+    negligible = input_ms * cores < step_ms * (SAME_RATIO - 1)
     steps = []
-    if both <= step_ms * SAME_RATIO and input_ms < step_ms:
+    if input_ms < step_ms and (both <= step_ms * SAME_RATIO or negligible):
         verdict, why = COMPUTE_BOUND, f"{line}: the step alone sets the pace"
+        if both > step_ms * SAME_RATIO:
+            why += (f" (the input's {input_ms:.1f} ms on all {cores} cores is under "
+                    f"{100 * (SAME_RATIO - 1):.0f}% of a step: the rest is other load)")
         steps += _step_fixes(ms)
     elif input_ms >= step_ms * 0.9 or wait >= INPUT_BOUND_HIGH_PCT:
         severity = "highly" if wait >= INPUT_BOUND_HIGH_PCT else "moderately"
