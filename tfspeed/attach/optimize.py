@@ -119,8 +119,10 @@ def optimize(dataset, model=None, *, cache_dir: str | None = None,
 
 
 def _rewrite(dataset, report: Report, cache_dir, ram_budget_mb, probe_seconds):
-    from tfspeed.attach import graph, store
+    from tfspeed.attach import graph, store, workers
 
+    if workers.runs_python(dataset):  # worker processes for its Python, or one line why not
+        return workers.attach(dataset, report, cache_dir, probe_seconds)
     plan = graph.plan(dataset)
     if plan.stored is None:
         return _unchanged(dataset, report, plan.reason)

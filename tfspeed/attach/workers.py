@@ -1,0 +1,326 @@
+"""Python in a user's pipeline, moved out of the training process: a ``from_generator`` source
+and ``numpy_function``/``py_function`` maps run in worker processes, in order.
+
+Both run under the training process's GIL as written, one element at a time. Here:
+
+- a generator cannot be split (its elements may depend on one another), so the whole of it
+  runs in ONE producer process, which runs ahead of the consumer by at most ``AHEAD`` elements;
+- a map's Python function runs over a pool of processes, one per core, each element sent to
+  the next worker in turn and read back in the same turn: the order of the pipeline as written,
+  with at most ``DEPTH`` elements in flight per worker.
+
+The processes themselves are ``tfspeed.attach.pool``'s. ``optimize`` keeps the rewrite only
+where it measures faster over the start of a pass and gives the same first elements there;
+otherwise the pipeline stays as written, with one line why.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+
+from tfspeed.attach.pool import AHEAD, Pool, Workers, cores, one_line
+
+PYTHON_OPS = ("PyFunc", "EagerPyFunc", "PyFuncStateless")
+# Ops a map's function may hold around its one Python call and still move whole to a worker:
+# they pass values through (set_shape adds no op; ensure_shape's check is the signature's).
+PASS_OPS = ("Placeholder", "Identity", "EnsureShape", "NoOp")
+
+
+# -- Reading the pipeline: where Python runs, and what it is. ------------------------------
+
+def _is_generator(node) -> bool:
+    return type(node).__name__ == "_FlatMapDataset" and "GeneratorDataset" in {
+        op.type for op in node._map_func.function.graph.get_operations()}
+
+
+def _python_map(node) -> bool:
+    from tfspeed.attach import graph
+
+    return type(node).__name__ in graph.MAPS and bool(
+        set(PYTHON_OPS) & graph.function_ops(node))
+
+
+def runs_python(dataset) -> bool:
+    """Whether ``dataset``'s chain holds a generator or a map that runs Python."""
+    from tfspeed.attach import graph
+
+    return any(_is_generator(n) or _python_map(n) for n in graph.chain(dataset))
+
+
+def find_generator(node) -> tuple[object | None, str]:
+    """The callable given to ``from_generator`` (held by the closures TF made of it), or None
+    and why."""
+    seen, todo, state, args = set(), [node._map_func._func], None, None
+    while todo and len(seen) < 500:
+        obj = todo.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if type(obj).__name__ == "_GeneratorState":
+            state = obj
+        code = getattr(obj, "__code__", None)
+        for name, cell in zip(code.co_freevars if code else (), getattr(obj, "__closure__", None) or (),
+                              strict=False):
+            try:
+                value = cell.cell_contents
+            except ValueError:  # an empty cell
+                continue
+            if name == "args" and code.co_name == "get_iterator_id_fn":
+                args = value
+            todo.append(value)
+        todo += [getattr(obj, a) for a in ("__wrapped__", "__func__") if hasattr(obj, a)]
+    if state is None:
+        return None, "tfspeed cannot find the generator inside this from_generator"
+    if args:
+        return None, ("its from_generator passes args= to the generator, which tfspeed does "
+                      "not send to a worker process")
+    return state._generator, ""
+
+
+def map_plan(node) -> tuple[dict | None, str]:
+    """How a map's outputs come from its one Python call: {'fn', 'eager', 'inputs',
+    'outputs', 'count'}, or None and why it cannot move to worker processes."""
+    from tensorflow.python.ops import script_ops
+
+    fn_graph = node._map_func.function.graph
+    ops = fn_graph.get_operations()
+    python = [op for op in ops if op.type in PYTHON_OPS]
+    other = sorted({op.type for op in ops} - set(PASS_OPS) - set(PYTHON_OPS))
+    if len(python) != 1 or other or fn_graph._functions:
+        what = f"TensorFlow ops ({', '.join(other[:3])})" if other else (
+            f"{len(python)} Python calls" if len(python) != 1 else "nested functions")
+        return None, (f"its map does {what} around its Python function; only a map that "
+                      "calls one numpy_function or py_function alone moves to worker processes")
+    if node._map_func.function.captured_inputs:
+        return None, "its map's Python function captures tensors, which stay in this process"
+    call, places = python[0], [t.name for t in fn_graph.inputs]
+
+    def source(t):
+        while t.op.type in ("Identity", "EnsureShape"):
+            t = t.op.inputs[0]
+        if t.op is call:
+            return ("py", t.value_index)
+        return ("arg", places.index(t.name)) if t.name in places else None
+
+    outputs, inputs = [source(t) for t in fn_graph.outputs], [source(t) for t in call.inputs]
+    if None in outputs or any(s is None or s[0] != "arg" for s in inputs):
+        return None, "its map's outputs do not come straight from its Python function"
+    registered = script_ops._py_funcs.get(call.get_attr("token").decode())
+    eager = call.type == "EagerPyFunc"
+    fn = getattr(registered, "_func", None) if eager else registered
+    if fn is None:
+        return None, "its map's Python function is no longer registered with TensorFlow"
+    return {"fn": fn, "eager": eager, "inputs": [s[1] for s in inputs], "outputs": outputs,
+            "count": len(call.outputs)}, ""
+
+
+# -- Rebuilding it on worker processes. -----------------------------------------------------
+
+def _from_generator(feed, spec):
+    import tensorflow as tf
+
+    return tf.data.Dataset.from_generator(feed, output_signature=spec)
+
+
+def _generator_source(gen, spec):
+    workers = Workers(gen, 1)
+    out = _from_generator(lambda: workers.run(Pool.stream), spec)
+    out._tfspeed_workers = workers  # the pools live as long as the dataset
+    return out, workers
+
+
+def _worker_map(base, node, plan):
+    import tensorflow as tf
+
+    workers = Workers(plan["fn"], cores(), plan["eager"], plan["count"])
+    spec, picks, outputs = node.element_spec, plan["inputs"], plan["outputs"]
+
+    def calls():
+        for element in base.as_numpy_iterator():
+            flat = tf.nest.flatten(element)
+            yield flat, [flat[j] for j in picks]
+
+    def use(pool):
+        for flat, result in pool.imap(calls()):
+            yield tf.nest.pack_sequence_as(spec, [
+                result[k] if kind == "py" else flat[k] for kind, k in outputs])
+
+    out = _from_generator(lambda: workers.run(use), spec)
+    out._tfspeed_workers = workers
+    return out, workers
+
+
+def rewrite(dataset) -> tuple[object | None, list[str] | str]:
+    """``dataset`` rebuilt with its generator and Python maps on worker processes, and what
+    moved in words; or None and why not, in one line."""
+    import tensorflow as tf
+
+    from tfspeed.attach import graph
+
+    nodes = graph.chain(dataset)
+    base, moved = nodes[0], []
+    for node in nodes[1:]:
+        if _is_generator(node) or _python_map(node):
+            found, why = (find_generator(node) if _is_generator(node) else map_plan(node))
+            if found is None:
+                return None, why
+            fn = found if _is_generator(node) else found["fn"]
+            name = getattr(fn, "__qualname__", None) or repr(fn)
+            if not _is_generator(node) and not all(
+                    isinstance(s, tf.TensorSpec) for s in tf.nest.flatten(base.element_spec)):
+                return None, (f"the elements {name} takes are not plain tensors "
+                              f"({base.element_spec}): they cannot go to a worker process")
+            try:
+                if _is_generator(node):
+                    base, workers = _generator_source(fn, node.element_spec)
+                    moved.append(f"the generator {name} runs in a producer process, "
+                                 f"{AHEAD} elements ahead, in order")
+                else:
+                    base, workers = _worker_map(base, node, found)
+                    moved.append(f"the map's Python function {name} runs in "
+                                 f"{workers.size} worker processes, in order")
+            except Exception as e:  # noqa: BLE001  cloudpickle's errors have no common base
+                return None, f"{name} cannot be pickled for a worker process ({one_line(e)})"
+        elif not moved:
+            base = node  # the user's own object: nothing before it changed
+        elif type(node).__name__ in graph.REBUILD:
+            base = graph.rebuild(node, base)
+        else:
+            return None, (f"tfspeed cannot rebuild {graph._name(node)}, which follows the "
+                          "Python in the pipeline: left as written")
+    if base.element_spec != dataset.element_spec:
+        return None, f"its rebuilt form would change the element_spec to {base.element_spec}"
+    return base, moved
+
+
+def attach(dataset, report, cache_dir: str | None, probe_seconds: float):
+    """``optimize``'s answer for a pipeline that runs Python: the rewrite where it measures
+    faster and gives the same elements, else ``dataset`` with one line why (on ``report``).
+
+    Args:
+      dataset: the user's pipeline (``runs_python(dataset)``).
+      report: the ``optimize.Report`` to fill.
+      cache_dir: where the timing is kept, once per pipeline (as a store's timing).
+      probe_seconds: each contender's timing, at most.
+
+    Returns:
+      The dataset to use.
+    """
+    from tfspeed.attach.optimize import _unchanged
+
+    out, moved = rewrite(dataset)
+    if out is None:
+        return _unchanged(dataset, report, moved)
+    path = _timing_path(dataset, out, cache_dir)
+    timed = _read(path)
+    if timed is None:
+        timed = _time(dataset, out, probe_seconds)
+        _write(path, timed)
+    if timed.get("failed"):
+        return _unchanged(dataset, report, f"its Python failed in a worker process "
+                          f"({timed['failed']})")
+    if not timed["same"]:
+        return _unchanged(dataset, report, "its Python gives other elements in a worker "
+                          "process than in this one (random, or state kept between calls)")
+    report.before_per_s, report.after_per_s = timed["before_per_s"], timed["after_per_s"]
+    if report.after_per_s <= report.before_per_s:
+        return _unchanged(dataset, report, "its Python measured no faster in worker "
+                          "processes on this machine")
+    report.changed += moved
+    report.verdict = "running the pipeline's Python in worker processes, in order"
+    return out
+
+
+def _time(dataset, out, seconds: float) -> dict:
+    """Both contenders over the start of a pass, and whether they agree there."""
+    from tfspeed.attach import graph
+    from tfspeed.attach.optimize import PROBE_SHARE_OF_EPOCH
+
+    count = int(dataset.cardinality())
+    most = max(2, count // PROBE_SHARE_OF_EPOCH) if count > 0 else 1 << 30
+    before, want = _probe(graph.copy(dataset), seconds, most)
+    try:
+        after, got = _probe(out, seconds, most)
+    except Exception as e:  # noqa: BLE001  TF wraps the worker's one line in its own error
+        lines = str(e).splitlines()
+        return {"failed": next((x.strip() for x in lines if "worker process" in x),
+                               lines[0] if lines else type(e).__name__)[:300]}
+    return {"before_per_s": before, "after_per_s": after, "same": not _deterministic(dataset)
+            or _equal(want, got)}
+
+
+def _probe(dataset, seconds: float, most: int) -> tuple[float, list]:
+    """Elements/s of one pass's start after its first element (the warm-up), and its first
+    elements (at most 64, to compare)."""
+    import numpy as np
+    import tensorflow as tf
+
+    it, kept = iter(dataset), []
+    first = next(it, None)
+    if first is None:
+        return 0.0, kept
+    kept.append([np.asarray(t) for t in tf.nest.flatten(first)])
+    n, start = 0, time.perf_counter()
+    for element in it:
+        n += 1
+        if len(kept) < 64:
+            kept.append([np.asarray(t) for t in tf.nest.flatten(element)])
+        if n >= most or time.perf_counter() - start >= seconds:
+            break
+    return n / max(time.perf_counter() - start, 1e-9), kept
+
+
+def _equal(a: list, b: list) -> bool:
+    import numpy as np
+
+    return all(len(x) == len(y) and all(np.array_equal(p, q) for p, q in zip(x, y, strict=True))
+               for x, y in zip(a, b, strict=False))
+
+
+def _deterministic(dataset) -> bool:
+    """Whether the pipeline as written gives the same elements pass after pass, outside its
+    Python (which is what the comparison checks)."""
+    from tfspeed.attach import graph
+
+    for node in graph.chain(dataset):
+        if type(node).__name__ == "_ShuffleDataset":
+            return False
+        if type(node).__name__ in graph.MAPS and "random" in graph.impurity(
+                graph.function_ops(node) - set(PYTHON_OPS)):
+            return False
+    return True
+
+
+def _timing_path(dataset, out, cache_dir) -> str:
+    """Where the timing of this pipeline is kept: keyed by its functions (cloudpickled, with
+    what their closures hold), its chain and its element_spec."""
+    from tfspeed.attach import graph, store
+
+    key = hashlib.sha1(repr(dataset.element_spec).encode())
+    for node in graph.chain(out):
+        key.update(type(node).__name__.encode())
+        workers = getattr(node, "_tfspeed_workers", None)
+        if workers is not None:
+            key.update(workers.payload)
+    return os.path.join(store.root(cache_dir), "workers", key.hexdigest()[:20] + ".json")
+
+
+def _read(path: str) -> dict | None:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def _write(path: str, timed: dict) -> None:
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path + ".tmp", "w") as f:
+            json.dump(timed, f)
+        os.replace(path + ".tmp", path)
+    except OSError:  # a read-only cache: time again next run
+        pass
