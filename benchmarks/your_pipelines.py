@@ -140,7 +140,7 @@ def csv_lines(root):
 
 
 def generator_pil(root):
-    """from_generator over PIL: Python in the pipeline (left as written, said why)."""
+    """from_generator over PIL: Python in the pipeline, one element at a time."""
     from PIL import Image
 
     paths = sorted(glob.glob(os.path.join(_photos(root), "*", "*.jpg")))
@@ -153,9 +153,27 @@ def generator_pil(root):
     return tf.data.Dataset.from_generator(gen, output_signature=sig).batch(32)
 
 
+def numpy_function_pil(root):
+    """Paths and labels, map(numpy_function(PIL decode + resize), AUTOTUNE), batch, prefetch:
+    the way issues load images TF cannot decode (PIL's formats, custom readers)."""
+    from PIL import Image
+
+    paths = sorted(glob.glob(os.path.join(_photos(root), "*", "*.jpg")))
+    labels = [int(Path(p).parent.name[5:]) for p in paths]
+
+    def load(path):
+        return np.asarray(Image.open(path.decode()).convert("RGB").resize((SIZE, SIZE)),
+                          np.uint8)
+
+    ds = tf.data.Dataset.from_tensor_slices((paths, labels))
+    ds = ds.map(lambda p, y: (tf.numpy_function(load, [p], tf.uint8), y),
+                num_parallel_calls=AUTOTUNE)
+    return ds.batch(32).prefetch(AUTOTUNE)
+
+
 PIPELINES = {f.__name__: f for f in (keras_tutorial, list_files_map, list_files_augment,
                                       tfrecord_parse, digits_arrays, text_vectorize,
-                                      csv_lines, generator_pil)}
+                                      csv_lines, generator_pil, numpy_function_pil)}
 
 
 MODES = ("original", "first", "later", "again")

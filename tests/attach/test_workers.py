@@ -143,3 +143,36 @@ def test_a_worker_raising_reaches_the_user_as_one_line_naming_the_function(photo
     assert lines and lines[0].endswith(
         "WorkerError: bad_load raised in a worker process: ValueError: cannot read img_002.jpg")
     assert wait_for_no_children(5) == []
+
+
+def test_a_py_function_map_gets_its_tensors_in_the_workers():
+    ds = tf.data.Dataset.range(6).map(lambda x: tf.py_function(lambda v: v * 2, [x], tf.int64))
+    rewritten, moved = workers.rewrite(ds.batch(2))
+    assert "<lambda> (test_workers.py:" in moved[0] and "worker processes" in moved[0]
+    assert same(elements(rewritten), elements(ds.batch(2)))
+
+
+EXITS = """
+import numpy as np, tensorflow as tf, psutil
+from tfspeed.attach import workers
+def double(x):
+    return x * 2
+ds = tf.data.Dataset.range(6).map(lambda x: tf.numpy_function(double, [x], tf.int64))
+fast, _ = workers.rewrite(ds)
+assert [int(v) for v in fast] == [0, 2, 4, 6, 8, 10]
+print("pids", *[c.pid for c in psutil.Process().children()])
+"""
+
+
+def test_idle_workers_end_when_the_program_exits(tmp_path):
+    import subprocess
+
+    script = tmp_path / "exits.py"
+    script.write_text(EXITS)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=300, check=True)
+    pids = [int(p) for p in done.stdout.split("pids", 1)[1].split()]
+    assert len(pids) == workers.cores()  # its pool was idle, not yet expired, at exit
+    time.sleep(0.5)
+    assert not [p for p in pids if psutil.pid_exists(p)
+                and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]

@@ -228,7 +228,7 @@ class Workers:
     def __init__(self, fn, size: int, eager: bool = False, outputs: int = -1):
         import cloudpickle
 
-        self.name = getattr(fn, "__qualname__", None) or repr(fn)
+        self.name = describe(fn)
         self.payload = cloudpickle.dumps(fn)
         self.size, self.eager, self.outputs = size, eager, outputs
         self.idle: list[Pool] = []
@@ -267,6 +267,15 @@ class Workers:
 def _close_all(pools: list) -> None:
     for pool in pools:
         pool.close()
+
+
+def describe(fn) -> str:
+    """A function's name as its user wrote it: ``load``, or ``<lambda> (train.py:12)``."""
+    name = (getattr(fn, "__qualname__", None) or repr(fn)).rsplit(".<locals>.", 1)[-1]
+    code = getattr(fn, "__code__", None)
+    if name == "<lambda>" and code is not None:
+        name += f" ({os.path.basename(code.co_filename)}:{code.co_firstlineno})"
+    return name
 
 
 def cores() -> int:

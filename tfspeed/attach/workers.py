@@ -21,7 +21,7 @@ import json
 import os
 import time
 
-from tfspeed.attach.pool import AHEAD, Pool, Workers, cores, one_line
+from tfspeed.attach.pool import AHEAD, Pool, Workers, cores, describe, one_line
 
 PYTHON_OPS = ("PyFunc", "EagerPyFunc", "PyFuncStateless")
 # Ops a map's function may hold around its one Python call and still move whole to a worker:
@@ -110,11 +110,33 @@ def map_plan(node) -> tuple[dict | None, str]:
         return None, "its map's outputs do not come straight from its Python function"
     registered = script_ops._py_funcs.get(call.get_attr("token").decode())
     eager = call.type == "EagerPyFunc"
-    fn = getattr(registered, "_func", None) if eager else registered
+    fn = _unwrap(getattr(registered, "_func", None) if eager else registered)
     if fn is None:
         return None, "its map's Python function is no longer registered with TensorFlow"
     return {"fn": fn, "eager": eager, "inputs": [s[1] for s in inputs], "outputs": outputs,
             "count": len(call.outputs)}, ""
+
+
+def _unwrap(fn):
+    """The user's own function inside the wrapper TensorFlow puts around it (autograph's
+    do_not_convert), and without the one autograph leaves on it (``ag_dnc_wrapper__``): sent
+    with them, each worker would import TensorFlow to unpickle them."""
+    import types
+
+    while fn is not None and getattr(fn, "__globals__", {}).get(
+            "__name__", "").startswith("tensorflow."):
+        inner = [c.cell_contents for c in fn.__closure__ or () if callable(c.cell_contents)]
+        if len(inner) != 1:
+            break
+        fn = inner[0]
+    if isinstance(fn, types.FunctionType) and any(k.startswith("ag_") for k in fn.__dict__):
+        bare = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__,
+                                  fn.__closure__)
+        bare.__qualname__, bare.__module__ = fn.__qualname__, fn.__module__
+        bare.__kwdefaults__ = fn.__kwdefaults__
+        bare.__dict__.update({k: v for k, v in fn.__dict__.items() if not k.startswith("ag_")})
+        fn = bare
+    return fn
 
 
 # -- Rebuilding it on worker processes. -----------------------------------------------------
@@ -168,7 +190,7 @@ def rewrite(dataset) -> tuple[object | None, list[str] | str]:
             if found is None:
                 return None, why
             fn = found if _is_generator(node) else found["fn"]
-            name = getattr(fn, "__qualname__", None) or repr(fn)
+            name = describe(fn)
             if not _is_generator(node) and not all(
                     isinstance(s, tf.TensorSpec) for s in tf.nest.flatten(base.element_spec)):
                 return None, (f"the elements {name} takes are not plain tensors "
