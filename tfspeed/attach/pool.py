@@ -273,8 +273,9 @@ def describe(fn) -> str:
     """A function's name as its user wrote it: ``load``, or ``<lambda> (train.py:12)``."""
     name = (getattr(fn, "__qualname__", None) or repr(fn)).rsplit(".<locals>.", 1)[-1]
     code = getattr(fn, "__code__", None)
-    if name == "<lambda>" and code is not None:
-        name += f" ({os.path.basename(code.co_filename)}:{code.co_firstlineno})"
+    file = os.path.basename(code.co_filename) if code is not None else ""
+    if name == "<lambda>" and file and not file.startswith("__autograph_generated"):
+        name += f" ({file}:{code.co_firstlineno})"
     return name
 
 
