@@ -94,7 +94,7 @@ def test_optimize_runs_the_map_in_workers_or_says_why_not(photo_paths, tmp_path)
                    probe_seconds=0.2)
     report = out.tfspeed_report
     assert report.before_per_s and report.after_per_s
-    if report.after_per_s > report.before_per_s:
+    if report.after_per_s >= workers.KEEP_MARGIN * report.before_per_s:
         assert report.verdict.startswith("running the pipeline's Python in worker processes")
         assert any("load runs in" in c for c in report.changed)
     else:
