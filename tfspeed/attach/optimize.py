@@ -19,14 +19,12 @@ import shutil
 import sys
 import time
 
+from tfspeed.attach.store import PROBE_LEAST, PROBE_SHARE_OF_EPOCH, PROBE_UNKNOWN
 from tfspeed.errors import UsageError
 
 RAM_SHARE = 0.25  # of the memory available now: the most a stored part may hold in RAM
 DISK_SHARE = 0.5  # of the free disk: the most a store may take
 PROBE_SECONDS = 1.0  # each contender's timing on a later run, at most
-PROBE_SHARE_OF_EPOCH = 10  # and at most 1/10 of the stored part's elements
-PROBE_LEAST = 2  # but at least these (after the first): a rate needs two
-PROBE_UNKNOWN = 64  # elements timed where the stored part's count is unknown
 # Attributes Keras' dataset utilities set on the datasets they return (scripts read them).
 USER_ATTRIBUTES = ("class_names", "file_paths")
 
@@ -45,6 +43,11 @@ class Report:
     after_per_s: float | None = None
     probe_elements: int = 0
     verdict: str = ""
+
+    def leave(self, reason: str) -> None:
+        """Records that the pipeline is left as written, and why."""
+        self.verdict = f"left as written: {reason}"
+        self.unchanged.append(f"the pipeline: {reason}")
 
     def line(self) -> str:
         rates = ""
@@ -195,8 +198,7 @@ def _probe(stored, prefix: str, count: int, seconds: float) -> dict:
 
 
 def _unchanged(dataset, report: Report, reason: str):
-    report.verdict = f"left as written: {reason}"
-    report.unchanged.append(f"the pipeline: {reason}")
+    report.leave(reason)
     return dataset
 
 

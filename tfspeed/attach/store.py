@@ -24,6 +24,9 @@ from tfspeed.util import files, locks
 
 ENV_DIR = "TFSPEED_CACHE_DIR"
 TIMING = "timing.json"
+PROBE_SHARE_OF_EPOCH = 10  # a timing covers at most 1/10 of the stored part's elements
+PROBE_LEAST = 2  # but at least these (after the first): a rate needs two
+PROBE_UNKNOWN = 64  # elements timed where the stored part's count is unknown
 CONSTANT_BYTES = 1024  # constants larger than this are hashed, not printed, into the key
 _HELD: dict[str, locks.Lock] = {}  # stores this process is writing: locked until it exits
 

@@ -235,7 +235,9 @@ def attach(dataset, report, cache_dir: str | None, probe_seconds: float):
     Returns:
       The dataset to use.
     """
-    from tfspeed.attach.optimize import _unchanged
+    def _unchanged(dataset, report, reason):
+        report.leave(reason)
+        return dataset
 
     out, moved = rewrite(dataset)
     if out is None:
@@ -263,7 +265,7 @@ def attach(dataset, report, cache_dir: str | None, probe_seconds: float):
 def _time(dataset, out, seconds: float) -> dict:
     """Both contenders over the start of a pass, and whether they agree there."""
     from tfspeed.attach import graph
-    from tfspeed.attach.optimize import PROBE_SHARE_OF_EPOCH
+    from tfspeed.attach.store import PROBE_SHARE_OF_EPOCH
 
     count = int(dataset.cardinality())
     most = max(2, count // PROBE_SHARE_OF_EPOCH) if count > 0 else 1 << 30
