@@ -16,10 +16,10 @@ from tfspeed.config import Config
 def precision_to_measure(config: Config, rt) -> bool:
     """``--precision=measure``, or ``auto`` chose bfloat16 for a CPU: measure whether it
     pays for this model."""
-    if config.runtime.precision == "measure":
-        return True
-    return (config.runtime.precision == "auto" and rt.plan.precision == "mixed_bfloat16"
-            and rt.plan.reasons.get("precision", "").startswith("auto: this CPU"))
+    from tfspeed import plan
+
+    return plan.precision_to_measure(config.runtime.precision,
+                                     rt.plan.reasons.get("precision", ""))
 
 
 def measure_precision(config: Config, rt, engine_for, source, run_steps: int,

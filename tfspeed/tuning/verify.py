@@ -13,6 +13,7 @@ import time
 from absl import logging
 
 from tfspeed.config import is_auto
+from tfspeed.plan import pinned_batching
 from tfspeed.probes import autotune
 from tfspeed.tuning.measurements import Measurements
 from tfspeed.tuning.predict import (
@@ -362,8 +363,8 @@ class Verifier:
         plan, pinned = plan_run(self.config, c, self.m, speed, min(cold, speed),
                                 max_seconds=fits), {}
         job = (self.m.text or {}).get("job")
-        if c is None and job and is_auto(self.config.data.batching):
-            pinned["batching"] = job["batching"]
+        if c is None and job:
+            pinned.update(pinned_batching(self.config.data.batching, job["batching"]))
         if c is None and self.config.runtime.precision in ("auto", "measure"):
             pinned.update(measured_precision(self.m))
         if c is None and is_auto(self.config.train.steps_per_execution) and not (
