@@ -202,11 +202,24 @@ def _build(config: Config, rt, lock: locks.Lock | None, converted_s: float = 0.0
 
 def _plan(config: Config, rt, input_report: dict, batching, probed: str):
     """The job's ``tfspeed.plan.Plan``: the runtime's decisions, the input's, the batching's."""
-    values = {"strategy": rt.plan.strategy, "precision": rt.plan.precision,
-              "xla": rt.plan.xla, "intra_op_threads": rt.plan.intra_op_threads}
-    out = plan.of_runtime(config.runtime, rt.plan.reasons, values, probed)
+    out = runtime_plan(config, rt, probed)
     out = out.with_(**dict(plan.of_input(config.data, input_report).decisions))
     return out.with_(batching=batching.decision()) if batching is not None else out
+
+
+def runtime_plan(config: Config, rt, probed: str = ""):
+    """The runtime's decisions as a ``tfspeed.plan.Plan`` (``probed``: precision's source
+    where a probe decided it, ``measured`` or ``reused``)."""
+    values = {"strategy": rt.plan.strategy, "precision": rt.plan.precision,
+              "xla": rt.plan.xla, "intra_op_threads": rt.plan.intra_op_threads}
+    return plan.of_runtime(config.runtime, rt.plan.reasons, values, probed)
+
+
+def report_plan(job: Job, tuning: dict) -> dict:
+    """report.json's ``plan``: every ``auto`` of the run, its value, reason and source
+    (``tuning``: the trainer's steps per execution)."""
+    spe = plan.steps_per_execution(job.config.train.steps_per_execution, tuning)
+    return (job.plan or plan.Plan()).with_(steps_per_execution=spe).to_json()
 
 
 # An engine built to be timed, not to train a run: its schedule never ends early.

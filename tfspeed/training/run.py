@@ -8,7 +8,7 @@ serialises).
 from __future__ import annotations
 
 from tfspeed.config import Config
-from tfspeed.training.job import Job, data_errors, prepare, weight_scale
+from tfspeed.training.job import Job, data_errors, prepare, report_plan, weight_scale
 from tfspeed.util import system
 
 
@@ -69,7 +69,7 @@ def _train_and_report(job: Job) -> dict:
         "skipped_updates": result.skipped_updates,
         "resumed_from_update": result.resumed_from_update,
         "steps_per_execution": result.steps_per_execution,
-        "plan": _plan(job, result.steps_per_execution),
+        "plan": report_plan(job, result.steps_per_execution),
         "compiled_programs": result.compiled_programs,
         # The probes' engines are programs compiled too (one each per input shape timed).
         "probe_compiled_programs": job.probe_compiles,
@@ -122,14 +122,6 @@ def weights_sha256(model) -> str:
     for weight in model.get_weights():
         digest.update(weight.tobytes())
     return digest.hexdigest()
-
-def _plan(job: Job, tuning: dict) -> dict:
-    """report.json's ``plan``: every ``auto`` of the run, its value, reason and source."""
-    from tfspeed import plan
-
-    spe = plan.steps_per_execution(job.config.train.steps_per_execution, tuning)
-    return (job.plan or plan.Plan()).with_(steps_per_execution=spe).to_json()
-
 
 def _service_report(data, rt) -> dict:
     """What the service delivered, summed over the training workers."""
