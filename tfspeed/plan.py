@@ -225,6 +225,28 @@ def precision(requested: str, hw) -> Decision:
     return Decision(requested, f"--precision={requested}", GIVEN)
 
 
+def measured_precision(candidate: str, step_seconds: dict[str, float],
+                       requested: str = AUTO) -> Decision:
+    """The policy to train in, from measured step times, and why: the mixed policy has to
+    earn its rounding, so it is taken only when ``AUTO_MARGIN`` faster than float32 (a close
+    race on a shared machine goes to the exact policy).
+
+    Args:
+      candidate: the mixed policy measured against float32 (``mixed_bfloat16`` where the
+        hardware rule chose it, or for ``--precision=measure``).
+      step_seconds: seconds per step under each measured policy.
+      requested: ``--precision`` as given (``auto`` or ``measure``), for the reason.
+    """
+    f32, mixed = step_seconds["float32"], step_seconds[candidate]
+    figures = f"{1000 * f32:.2f} ms/step in float32, {1000 * mixed:.2f} in {candidate}"
+    if mixed <= (1 - AUTO_MARGIN) * f32:
+        return Decision(candidate, f"{requested}: measured {figures} for this model: "
+                                   f"{candidate} is at least {AUTO_MARGIN:.0%} faster", MEASURED)
+    return Decision("float32", f"{requested}: measured {figures} for this model: "
+                               f"{candidate.removeprefix('mixed_')} is not {AUTO_MARGIN:.0%} "
+                               "faster here, so float32 (exact) is kept", MEASURED)
+
+
 def precision_to_measure(requested: str, reason: str) -> bool:
     """Whether the precision probe runs: ``--precision=measure``, or ``auto`` where the
     hardware rule chose bfloat16 for a CPU (``reason``: the runtime's; a small model often

@@ -12,6 +12,7 @@ import time
 
 from absl import logging
 
+from tfspeed import plan as plan_lib
 from tfspeed.config import is_auto
 from tfspeed.plan import pinned_batching
 from tfspeed.probes import autotune
@@ -148,7 +149,7 @@ def plan_run(config, c: Candidate | None, m: Measurements, rate: float,
 
 def measured_precision(m: Measurements) -> dict:
     """``{"precision": policy}``: what the driver's ``--precision=auto`` probe would choose
-    (``autotune.choose_precision``, its rule and margin) from the tune's own timings of the
+    (``plan.measured_precision``, its rule and margin) from the tune's own timings of the
     step in float32 and in the hardware's mixed policy; {} where one was not measured.
 
     A run of the user's flags given this does not probe again: the probe builds and traces
@@ -160,7 +161,7 @@ def measured_precision(m: Measurements) -> dict:
     mixed = [p for p in timed if p != "float32"]
     if "float32" not in timed or not mixed:
         return {}
-    return {"precision": autotune.choose_precision(mixed[0], timed)[0]}
+    return {"precision": plan_lib.measured_precision(mixed[0], timed).value}
 
 
 def auto_spe(m: Measurements) -> int:
