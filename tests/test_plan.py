@@ -168,6 +168,19 @@ def test_the_model_free_pipeline_resolves_as_the_driver_does(text_dirs, tmp_path
     assert forced.mode == "pack" and forced.source == "given"
 
 
+def test_the_plan_imports_no_tensorflow():
+    """Flags are resolved into a plan before TensorFlow starts (tune and diagnose predict
+    with it)."""
+    import subprocess
+    import sys
+
+    code = "import sys, tfspeed.plan; print('tensorflow' in sys.modules, 'keras' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["False", "False"]
+
+
 # Comparing --batching (or XLA's packed-rows rule) with auto anywhere but tfspeed/plan.py is
 # a second decider: the walk of the batching decision touches one module.
 _DECIDES_BATCHING = re.compile(r"(batching|\bmode)\W*(==|!=)\s*(\"auto\"|AUTO)"

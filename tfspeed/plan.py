@@ -2,7 +2,7 @@
 its value, its reason and its source (given by a flag, predicted, measured by a probe, or
 reused from the first run's ``decisions.json``).
 
-No TensorFlow and no numpy: what the rules need is handed in (the hardware, the cost
+No TensorFlow (``tests/test_plan.py`` checks): what the rules need is handed in (the hardware, the cost
 model's predicted costs, a probe to call, the first run's record), so the runtime, the
 data pipeline, the job, ``tfspeed.fit`` and tune decide alike on the same facts. The job
 keeps a ``Plan`` of its decisions; report.json's ``plan`` is ``Plan.to_json()``.
