@@ -213,13 +213,14 @@ def test_precision_advice_follows_the_probes_measurement_not_a_rule_of_thumb(dig
 
     from tfspeed.data import schema as schema_lib
     from tfspeed.diagnosis import precision
-    from tfspeed.probes import autotune
+    from tfspeed.plan import measured_precision
     from tfspeed.runtime import Hardware, resolve
 
     config = _config(digits_dir, "/tmp/unused", data={"cache": "none"})
     schema = schema_lib.read(digits_dir)
-    choice, why = autotune.choose_precision(
+    decided = measured_precision(
         "mixed_bfloat16", {"float32": 0.7737, "mixed_bfloat16": 0.7991}, "auto")
+    choice, why = decided.value, decided.reason
     plan = resolve(config.runtime, Hardware())
     plan = dataclasses.replace(plan, precision=choice,
                                reasons={**plan.reasons, "precision": why})

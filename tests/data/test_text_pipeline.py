@@ -76,7 +76,8 @@ def _check_contract(x, y, lm):
 def test_each_mode_keeps_the_contract_and_its_shapes(text_dir, lm_dir, mode, lm):
     data_dir = lm_dir if lm else text_dir
     schema = schema_lib.read(data_dir)
-    batching = text.resolve(DataConfig(data_dir=data_dir, batch_size=16, batching=mode), schema)
+    config = DataConfig(data_dir=data_dir, batch_size=16, batching=mode)
+    batching = pipeline.model_free_batching(config, schema)  # what build resolves
     ds = tfspeed.data.build(data_dir, "train", 16, training=True, batching=mode)
     widths = set()
     for x, y in ds.take(12):

@@ -13,7 +13,7 @@ import tensorflow as tf
 import tfspeed.data
 from tests.test_data_service import Server
 from tfspeed.config import Config, DataConfig, ModelConfig, RuntimeConfig, TrainConfig
-from tfspeed.data import pipeline, text
+from tfspeed.data import pipeline
 from tfspeed.data import schema as schema_lib
 from tfspeed.data import service_client as service
 
@@ -89,8 +89,8 @@ def test_batches_hold_every_sequence_intact_and_each_epoch_is_counted(cluster, c
     lm, data_dir = task == "lm", corpora[task]
     reference = _reference(data_dir, "train", lm)
     schema = schema_lib.read(data_dir)
-    batching = text.resolve(DataConfig(data_dir=data_dir, batch_size=BATCH, batching=mode),
-                            schema)
+    batching = pipeline.model_free_batching(  # what build resolves
+        DataConfig(data_dir=data_dir, batch_size=BATCH, batching=mode), schema)
     service.reset_report()
     ds = tfspeed.data.build(data_dir, "train", BATCH, training=True, batching=mode,
                             cache="none", data_service=cluster[0].address)

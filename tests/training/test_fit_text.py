@@ -89,6 +89,11 @@ def test_fit_takes_training_datasets_of_every_batching_with_steps(text_dirs, mas
     assert report["optimizer_updates"] == 5
     assert math.isfinite(report["eval_metrics"]["loss"])
     assert 0 <= report["eval_metrics"]["accuracy"] <= 1
+    # The plan's XLA rule, on the batches' shapes: packed rows (one static shape) compile.
+    xla = report["plan"]["xla"]
+    assert xla["value"] == (mode == "pack") and xla["source"] == "predicted", xla
+    assert report["plan"]["precision"] == {"value": "float32", "reason": "--precision=float32",
+                                           "source": "given"}
 
 
 def test_fit_takes_a_finite_bucketed_dataset_as_it_comes(short_texts, masked, tmp_path):

@@ -43,6 +43,8 @@ def test_each_batching_trains_and_reports(corpora, tmp_path, task, batching):
                if isinstance(v, float))
     chosen = report["input"]["batching"]
     assert chosen["mode"] == batching and chosen["max_length"] == 64
+    assert report["plan"]["batching"] == {"value": batching, "reason": f"--batching={batching}",
+                                          "source": "given"}
     # By default --batch_size sequences of the mean length, at least one row of T.
     assert chosen["tokens_per_batch"] == max(round(8 * chosen["mean_length"]), 64)
     assert "expected_padding" in chosen
@@ -61,6 +63,16 @@ def test_auto_takes_the_mode_of_least_predicted_compute(corpora, tmp_path):
     assert f"pack {costs['pack']:.2f}" in batching["reason"]
     # Two steps leave no room to time the modes: the reason says so, and nothing was.
     assert "; not timed: " in batching["reason"] and batching["measured"] == {}
+    # report.json's plan holds every auto, each with its value, reason and source.
+    plan = report["plan"]
+    assert plan["batching"] == {"value": batching["mode"], "reason": batching["reason"],
+                                "source": "predicted"}
+    assert plan["precision"]["source"] == "given" and plan["xla"]["source"] == "given"
+    assert plan["cache.train"] == {"value": "memory", "reason": "--cache=memory",
+                                   "source": "given"}
+    assert plan["steps_per_execution"]["source"] == "given"
+    assert plan["strategy"]["source"] == "given"
+    assert plan["input_placement"]["value"] == "host"
     # The transformer's K (width 16, depth 1, 2 heads): its attention is counted.
     assert batching["attention_length"] == pytest.approx(12 * 16 * 16 / (2 * 16 + 19 * 2))
 
@@ -86,7 +98,8 @@ def test_auto_times_bucket_and_pack_where_the_run_is_long_enough(short_texts, tm
     costs = predicted.costs
     assert max(costs["bucket"], costs["pack"]) < BATCHING_MARGIN * min(
         costs["bucket"], costs["pack"]), costs  # a close call on this split
-    chosen = job.measure_batching(config, rt, schema, predicted)
+    chosen = job.measure_batching(config, rt, schema)
+    assert chosen.source == "measured" and predicted.source == "predicted"
     rates = {m: f["real_tokens_per_sec"] for m, f in chosen.measured.items()}
     assert set(rates) == {"bucket", "pack"} and min(rates.values()) > 0, chosen.measured
     bucket = job.resolve_batching(dataclasses.replace(config, data=dataclasses.replace(
@@ -98,7 +111,8 @@ def test_auto_times_bucket_and_pack_where_the_run_is_long_enough(short_texts, tm
     assert chosen.reason.startswith(f"auto: {chosen.mode}, the more real tokens/s measured")
     forced = job.resolve_batching(dataclasses.replace(config, data=dataclasses.replace(
         config.data, batching=chosen.mode)), rt, schema)
-    assert dataclasses.replace(chosen, reason=forced.reason, measured={}) == forced
+    assert dataclasses.replace(chosen, reason=forced.reason, measured={},
+                               source=forced.source) == forced
 
 
 def _checkpoint_files(model_dir):

@@ -2,6 +2,7 @@
 
 import pytest
 
+from tfspeed import plan
 from tfspeed.probes import autotune
 
 
@@ -37,12 +38,14 @@ def test_the_probe_takes_at_most_five_percent_of_the_run():
 
 def test_precision_takes_bfloat16_only_when_it_is_clearly_faster():
     bf16 = "mixed_bfloat16"
-    choice, why = autotune.choose_precision(bf16, {"float32": 0.60e-3, bf16: 0.58e-3})
+    decided = plan.measured_precision(bf16, {"float32": 0.60e-3, bf16: 0.58e-3})
+    choice, why = decided.value, decided.reason
+    assert decided.source == "measured"
     assert choice == "float32" and why == (
         "auto: measured 0.60 ms/step in float32, 0.58 in mixed_bfloat16 for this model: "
         "bfloat16 is not 5% faster here, so float32 (exact) is kept")
-    assert autotune.choose_precision(bf16, {"float32": 0.56e-3, bf16: 0.60e-3})[0] == "float32"
-    assert autotune.choose_precision(bf16, {"float32": 5.41e-3, bf16: 4.34e-3})[0] == bf16
+    assert plan.measured_precision(bf16, {"float32": 0.56e-3, bf16: 0.60e-3}).value == "float32"
+    assert plan.measured_precision(bf16, {"float32": 5.41e-3, bf16: 4.34e-3}).value == bf16
 
 
 class _Steps:

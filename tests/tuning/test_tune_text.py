@@ -380,7 +380,7 @@ def test_the_run_of_your_flags_takes_the_precision_the_tune_measured(tmp_path):
     run of your flags takes what the driver's probe would choose from those figures (its
     rule and margin) instead of probing again (two more models built and traced: 27 s of
     the text job's 90 s budget), and cannot measure other figures than the tune did."""
-    from tfspeed.probes import autotune
+    from tfspeed import plan
 
     config, _ = _text_config(tmp_path, BUDGET)
     assert config.runtime.precision == "auto"
@@ -389,8 +389,8 @@ def test_the_run_of_your_flags_takes_the_precision_the_tune_measured(tmp_path):
         m = ms.Measurements(**{**base.__dict__, "step": {
             ms.StepKey("mixed_bfloat16", "off"): ms.StepTiming(1e-3, bf16, bf16, 1),
             ms.StepKey("float32", "off"): ms.StepTiming(1e-3, f32, f32, 1)}})
-        expected = autotune.choose_precision(
-            "mixed_bfloat16", {"float32": f32, "mixed_bfloat16": bf16})[0]
+        expected = plan.measured_precision(
+            "mixed_bfloat16", {"float32": f32, "mixed_bfloat16": bf16}).value
         assert verify.measured_precision(m) == {"precision": expected}
         verifier = verify.Verifier(config, m, predict.rank(m), verify.Budget(90.0),
                                    str(tmp_path))

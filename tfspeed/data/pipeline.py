@@ -66,12 +66,35 @@ def build(
       standardised with the train split's statistics, labels int32. Text: inputs are the
       dict of ``tokens``, ``segment_ids`` and ``positions``, labels the dict of ``label``
       and ``weight``; the batching ``auto`` chose, and why, is logged and is
-      ``tfspeed.data.text.resolve(config, schema)``. A finite split (``training=False``)
-      declares its number of batches (``cardinality()``), from the record counts in
-      ``schema.json``.
+      ``model_free_batching(config, schema)`` (never pack: no model says it keeps packed
+      sequences apart; pass ``batching="pack"`` for one that does). A finite split
+      (``training=False``) declares its number of batches (``cardinality()``), from the
+      record counts in ``schema.json``.
     """
     config = DataConfig(data_dir=data_dir, batch_size=batch_size, **options).validate()
     return build_from_config(config, split, training=training, input_context=input_context)
+
+
+def model_free_batching(config: DataConfig, schema, replicas: int = 1) -> text.Batching:
+    """Token records batched without a model to ask (``tfspeed.data.build``): what the
+    driver resolves for a model tfspeed does not know (no segment ids, attention unknown)
+    with ``--xla=auto`` on this backend and hardware, through the same ``tfspeed.plan``,
+    for a run of unknown length. Its shapes compile where Keras' own ``fit``
+    (``jit_compile="auto"``) compiles them too: on JAX and on an accelerator, not in
+    TensorFlow on a CPU. Its ``auto`` never packs (packing mixes texts in a row for a model
+    that ignores segment ids): pass ``batching="pack"`` for one that keeps them apart."""
+    from absl import logging
+
+    from tfspeed import plan as plan_lib
+    from tfspeed import runtime
+
+    hw = runtime.detect_hardware()
+    xla = plan_lib.xla(plan_lib.AUTO, bool(hw.gpus or hw.tpus))
+    compiled = plan_lib.compiled_modes(plan_lib.AUTO, xla.value,
+                                       runtime.backends.current().compiles_every_step)
+    batching = text.resolve(config, schema, replicas=replicas, compiled=compiled)
+    logging.info("--batching=%s: %s (%s)", config.batching, batching.mode, batching.reason)
+    return batching
 
 
 def build_from_config(
@@ -89,7 +112,7 @@ def build_from_config(
 
     ``until`` (one of ``STAGES``) returns the pipeline cut after that stage, so
     ``tfspeed.diagnose`` can time each stage's share. ``batching``: token records batched as
-    the job resolved them (``text.resolve``, once per job); None resolves it from ``config``.
+    the job resolved them (``text.resolve``, once per job); None: ``model_free_batching``.
     ``take_sequences``: token records, evaluation: only the split's first N sequences.
     """
     if until is not None and until not in STAGES:
@@ -110,7 +133,7 @@ def build_from_config(
     steps = plan.plan_steps(config, schema, split, training)
     if text.is_text(schema):
         replicas = input_context.num_replicas_in_sync if input_context else 1
-        batching = batching or text.resolve(config, schema, replicas=replicas)
+        batching = batching or model_free_batching(config, schema, replicas)
         return _tokens(config, schema, split, training, steps, shuffle, deterministic,
                        num_pipelines, pipeline_id, replicas, batching, until, take_sequences)
 

@@ -3,10 +3,10 @@
 The text branch of ``tfspeed.data.pipeline``: records are parsed, turned into per-sequence
 examples (``sequences.to_examples``: the one cast to int32), cached, shuffled, repeated and
 then batched by one of ``sequences``' modes, all to the batch contract documented there.
-``resolve`` decides the mode (``--batching``), the row length (``--max_length``), the token
-budget (``--tokens_per_batch``) and the buckets from the split's length histogram alone (each
-mode's cost predicted by ``tfspeed.probes.costs``), so
-the job, the model (its position table and segment count) and the report agree with the
+``resolve`` works out the row length (``--max_length``), the token budget
+(``--tokens_per_batch``) and the buckets from the split's length histogram alone, predicts
+each mode's cost (``tfspeed.probes.costs``) and takes the mode ``tfspeed.plan.batching``
+decides from them (``--batching``), so the job, the model (its position table and segment count) and the report agree with the
 pipeline without building it.
 """
 
@@ -16,6 +16,7 @@ import dataclasses
 
 import numpy as np
 
+from tfspeed import plan as plan_lib
 from tfspeed.config import MAX_LENGTH_CAP
 from tfspeed.data import buckets, long_texts, sequences
 from tfspeed.errors import UsageError
@@ -78,6 +79,7 @@ class Batching:
       replicas: every global batch's sequences or rows are a multiple of this.
       measured: what ``--batching=auto`` timed, when it did (``training.job``'s batching
         probe): real tokens/s of bucket and pack, and the batches each pass held.
+      source: where ``mode`` came from (``tfspeed.plan``: given, predicted, measured, reused).
       free_shapes: no batch shape is compiled (TensorFlow without XLA): up to
         ``FREE_BUCKETS`` buckets, and evaluation's last batch of a bucket is filled only to a
         multiple of the replicas, not to the bucket's full batch.
@@ -102,6 +104,11 @@ class Batching:
     free_shapes: bool = False
     bucket_size: int = 0
     measured: dict = dataclasses.field(default_factory=dict)
+    source: str = plan_lib.GIVEN
+
+    def decision(self) -> plan_lib.Decision:
+        """The mode as the plan's decision (report.json's ``plan.batching``)."""
+        return plan_lib.Decision(self.mode, self.reason, self.source)
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -226,7 +233,7 @@ def pack_padding(counts: np.ndarray, max_length: int, max_segments: int,
 
 def resolve(config, schema, takes_segments: bool = False, replicas: int = 1,
             attention_length: float | None = None, compiled=None, run_steps: int = 0,
-            run_epochs: float = 0.0) -> Batching:
+            run_epochs: float = 0.0, recall=None, probe=None) -> Batching:
     """The ``Batching`` of a DataConfig (``batching``, ``max_length``, ``tokens_per_batch``,
     ``long``, ``batch_size``) on a token schema: the one resolver (the job resolves once and
     hands the result to its pipelines, the model, tune and diagnose).
@@ -244,6 +251,8 @@ def resolve(config, schema, takes_segments: bool = False, replicas: int = 1,
         not known (a dataset for a user's own step, which may compile each shape).
       run_steps, run_epochs: the run's length in batches, or in passes over the train split
         (0: unknown): what share of the run a compile takes.
+      recall, probe: ``tfspeed.plan.batching``'s: the first run's decision, and a probe that
+        times bucket against pack (the job's); None: the mode is predicted.
 
     Raises:
       UsageError: a token budget too small for one row (or the longest bucket) per
@@ -270,9 +279,9 @@ def resolve(config, schema, takes_segments: bool = False, replicas: int = 1,
     boundaries = _cover(padding["boundaries"], every, t, config.long)
     costs = costs_lib.predicted_costs(counts, padding, t, attention_length, compiled,
                                       shape_cost, tokens / replicas, schema.task)
-    mode, reason = config.batching, f"--batching={config.batching}"
-    if mode == "auto":
-        mode, reason = costs_lib.choose(costs, takes_segments)
+    decision, measured = plan_lib.batching(config.batching, costs, takes_segments,
+                                           recall=recall, probe=probe)
+    mode, reason = decision.value, decision.reason
     if (mode == "pad" or mode == "bucket" and per_bucket) and config.batch_size % replicas:
         raise UsageError(f"--batch_size={config.batch_size} does not split evenly over "
                          f"{replicas} replicas; use a multiple of {replicas}")
@@ -289,7 +298,8 @@ def resolve(config, schema, takes_segments: bool = False, replicas: int = 1,
         long_counts={name: long_texts.events(np.arange(len(c)), t, config.long, weights=c)
                      for name, c in every.items()},
         mean_length=round(mean, 2), replicas=replicas, free_shapes=free,
-        bucket_size=per_bucket if mode == "bucket" else 0)
+        bucket_size=per_bucket if mode == "bucket" else 0, measured=measured,
+        source=decision.source)
 
 
 def bucket_size(config, schema, replicas: int = 1) -> int:

@@ -184,6 +184,7 @@ def batching_steps(config, figures: dict) -> list[dict]:
     row, masked positions included). Padding shows in a padding fraction; the attention of
     long packed rows does not ("0% padding" hides it), so each piece of advice names the
     waste it removes. Empty for batches without token figures."""
+    from tfspeed import plan as plan_lib
     from tfspeed.probes import costs as costs_lib
     from tfspeed.training import models
 
@@ -192,7 +193,7 @@ def batching_steps(config, figures: dict) -> list[dict]:
     if not costs or mode not in costs:
         return []
     steps = []
-    for other in costs_lib.modes(models.takes_segments(config.model.name)):
+    for other in plan_lib.batching_modes(models.takes_segments(config.model.name)):
         gain = costs[mode] / max(costs[other], 1e-9)
         if other == mode or gain < costs_lib.ADVICE_GAIN:
             continue

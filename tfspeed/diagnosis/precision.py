@@ -16,7 +16,7 @@ import re
 
 from absl import logging
 
-# ``autotune.choose_precision``'s reason, as the probe writes it into the plan.
+# ``tfspeed.plan.measured_precision``'s reason, as the probe writes it into the plan.
 _PROBED = re.compile(r"measured ([0-9.]+) ms/step in float32, ([0-9.]+) in (\w+)")
 PROBE_SOURCE = "the driver's precision probe"
 OWN_SOURCE = "diagnose's timing of the step in each policy"

@@ -11,7 +11,8 @@
   enough, the same number of real batches of each, from the job's own pipeline, are timed
   on fresh copies of the job's model, and the faster in real tokens per second is taken.
 * precision: where the hardware offers bfloat16 on a CPU (the first filter, in
-  ``runtime``), a few steps of this very model in float32 and in mixed_bfloat16 decide.
+  ``tfspeed.plan``), a few steps of this very model in float32 and in mixed_bfloat16 are
+  timed here (``time_steps``), and ``tfspeed.plan.measured_precision`` decides.
   Small models often run faster in float32: the casts can cost more than the narrower math
   saves (``benchmarks/train_step.py`` records which policy auto chose for each model).
 """
@@ -23,8 +24,6 @@ import statistics
 import time
 
 import numpy as np
-
-from tfspeed.probes.costs import AUTO_MARGIN
 
 OVERHEAD = 0.02  # the share of a call that its fixed overhead may take
 PROBE_SHARE = 0.05  # of a run, at most, spent probing: its steps (the batching probe: its real tokens)
@@ -149,28 +148,6 @@ def probe_rounds(rounds: int, steps: int, engines: int, run_steps: int) -> int:
     if run_steps <= 0:
         return rounds
     return max(1, min(rounds, int(PROBE_SHARE * run_steps / (steps * engines))))
-
-
-def choose_precision(hardware_choice: str, step_seconds: dict[str, float],
-                     requested: str = "auto") -> tuple[str, str]:
-    """The policy to train in, from measured step times, and why: the mixed policy has to
-    earn its rounding, so it is taken only when ``AUTO_MARGIN`` faster than float32 (a close
-    race on a shared machine goes to the exact policy).
-
-    Args:
-      hardware_choice: the mixed policy measured against float32 (``mixed_bfloat16`` where
-        the hardware rule chose it, or for ``--precision=measure``).
-      step_seconds: seconds per step under each measured policy.
-      requested: ``--precision`` as given (``auto`` or ``measure``), for the reason.
-    """
-    f32, mixed = step_seconds["float32"], step_seconds[hardware_choice]
-    figures = f"{1000 * f32:.2f} ms/step in float32, {1000 * mixed:.2f} in {hardware_choice}"
-    if mixed <= (1 - AUTO_MARGIN) * f32:
-        return hardware_choice, (f"{requested}: measured {figures} for this model: "
-                                 f"{hardware_choice} is at least {AUTO_MARGIN:.0%} faster")
-    return "float32", (f"{requested}: measured {figures} for this model: "
-                       f"{hardware_choice.removeprefix('mixed_')} is not {AUTO_MARGIN:.0%} "
-                       "faster here, so float32 (exact) is kept")
 
 
 def batching_probe_steps(buckets: int, batches: dict[str, float], run_passes: float) -> int:

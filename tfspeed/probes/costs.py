@@ -1,16 +1,14 @@
 """The training step's cost model: what each batching mode computes per real token, what a
 compile costs and what XLA gains; and the margins by which one choice must beat another.
 
-numpy only, no TensorFlow: ``data.text`` resolves ``--batching`` with it, ``training.job``
-and the in-run autotune decide with it, tune and diagnose predict with it (their output is
-written before TensorFlow starts).
+numpy only, no TensorFlow: ``data.text`` predicts each batching's cost with it,
+``tfspeed.plan`` decides from those costs with its margins, tune and diagnose predict with it
+(their output is written before TensorFlow starts).
 """
 
 from __future__ import annotations
 
 import numpy as np
-
-from tfspeed.config import BATCHING_MODES
 
 # Where each batch shape is compiled (XLA: JAX always, TensorFlow's packed rows): one compile
 # costs about this many of the run's batches (the transformer on 2 cores: 2-4 s to compile
@@ -48,12 +46,6 @@ TOKEN_BUDGET_MARGIN = 0.03
 # - diagnose advises another batching only where it is predicted this many times the real
 #   tokens/s: a change the user makes by hand.
 ADVICE_GAIN = 1.1
-
-
-def modes(takes_segments: bool) -> tuple[str, ...]:
-    """The batching modes a model can train on: packed rows only where it takes segment ids
-    (keeps packed sequences apart)."""
-    return tuple(m for m in BATCHING_MODES if takes_segments or m != "pack")
 
 
 def predicted_costs(counts: np.ndarray, padding: dict, max_length: int,
@@ -114,15 +106,3 @@ def compiled_factor(shapes: float, shape_cost: float, batch_tokens: float,
     """What compiling every batch shape does to a mode's cost: ``shapes`` compiles of
     ``shape_cost`` of the run each, then steps ``xla_gain(batch_tokens, task)`` faster."""
     return (1 + shapes * shape_cost) / xla_gain(batch_tokens, task)
-
-
-def choose(costs: dict[str, float], takes_segments: bool) -> tuple[str, str]:
-    """What ``--batching=auto`` picks from predicted costs, and why: the
-    cheapest of bucket and pack for a model that keeps packed sequences apart; for others
-    bucket when it saves at least ``AUTO_MARGIN`` over padding each batch to its longest."""
-    figures = ", ".join(f"{m} {costs[m]:.2f}" for m in BATCHING_MODES if m in costs)
-    if takes_segments:
-        mode = min(("bucket", "pack"), key=lambda m: costs[m])
-    else:
-        mode = "bucket" if costs["bucket"] <= (1 - AUTO_MARGIN) * costs["pad"] else "pad"
-    return mode, f"auto: {mode}, the least compute per real token ({figures})"

@@ -17,16 +17,14 @@ from collections.abc import Callable
 
 from absl import logging
 
+from tfspeed import plan as plan_lib
 from tfspeed.config import RuntimeConfig, is_auto
 from tfspeed.errors import UsageError
+from tfspeed.plan import BFLOAT16_MIN_CC, FLOAT16_MIN_CC  # noqa: F401 -- re-exported
 from tfspeed.runtime import backends, hostmem
 from tfspeed.runtime.backends import BACKENDS  # noqa: F401 -- re-exported
 from tfspeed.runtime.backends import unsupported as unsupported_backend  # noqa: F401
 
-# Compute capability from which GPUs have tensor cores for float16 (Volta), and for
-# bfloat16 at full speed (Ampere).
-FLOAT16_MIN_CC = (7, 0)
-BFLOAT16_MIN_CC = (8, 0)
 CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 
 
@@ -168,70 +166,29 @@ def resolve(config: RuntimeConfig, hw: Hardware, backend_name: str = "tensorflow
     else:
         reasons["strategy"] = f"--strategy={strategy}"
 
-    precision, loss_scale = config.precision, False
-    if precision == "auto":
-        precision, reasons["precision"] = _auto_precision(hw)
-    elif precision == "measure":  # the driver times float32 against this candidate
-        choice, _ = _auto_precision(hw)
-        precision = "mixed_bfloat16" if choice == "float32" else choice
-        reasons["precision"] = f"measure: float32 against {precision}, timed on this model"
-    elif precision == "mixed_float16" and not hw.gpus:
-        raise UsageError(
-            "--precision=mixed_float16 needs a GPU (this machine has none and emulates float16 "
-            "slowly); use --precision=auto" + (" (bfloat16 is native on this CPU)"
-                                               if hw.cpu_has_bf16 else " or float32")
-        )
-    else:
-        reasons["precision"] = f"--precision={precision}"
+    decided = plan_lib.precision(config.precision, hw)
+    precision, loss_scale, reasons["precision"] = decided.value, False, decided.reason
     if precision == "mixed_float16":
         loss_scale = True
         reasons["precision"] += "; dynamic loss scaling keeps small float16 gradients"
 
-    accelerator = bool(hw.gpus or hw.tpus)
-    if config.xla == "auto":
-        xla = accelerator
-        reasons["xla"] = ("auto: on for GPU/TPU, where fused kernels usually win" if xla else
-                          "auto: off on CPU (measured slower here, plus compile time)")
-    else:
-        xla = config.xla == "on"
-        reasons["xla"] = f"--xla={config.xla}"
+    decided = plan_lib.xla(config.xla, bool(hw.gpus or hw.tpus))
+    xla, reasons["xla"] = decided.value, decided.reason
     return Plan(strategy=strategy, cpu_replicas=config.cpu_replicas, precision=precision,
                 loss_scale=loss_scale, xla=xla, gpu_memory_growth=bool(hw.gpus), reasons=reasons)
 
 
 def for_batching(runtime: Runtime, config: RuntimeConfig, batching: str) -> Runtime:
-    """``runtime`` once the job's token batching is known: ``--xla=auto`` turns XLA on for
-    ``pack`` on a CPU too.
-
-    Packed batches have one static shape, so XLA compiles once (in the first step, which the
-    meter leaves out) and fuses the masked attention's element-wise work: the transformer
-    trained faster with it on a CPU (``benchmarks/sequences.py``). Bucketed batches are left
-    alone on a CPU: one compile per bucket, each seconds long, cost a one-pass run more than
-    XLA saved (docs/benchmarks.md, "sequences").
-    """
-    if config.xla != "auto" or runtime.plan.xla or batching != "pack":
+    """``runtime`` once the job's token batching is known, with ``tfspeed.plan.xla``'s
+    decision for it (``--xla=auto`` turns XLA on for ``pack`` on a CPU too)."""
+    if runtime.plan.xla:  # on already: an accelerator, JAX, or --xla=on
         return runtime
-    reasons = {**runtime.plan.reasons, "xla": "auto: on for packed token batches (one static "
-               "shape: one compile, fused masked attention)"}
+    decided = plan_lib.xla(config.xla, False, batching)
+    if not decided.value:
+        return runtime
+    reasons = {**runtime.plan.reasons, "xla": decided.reason}
     return dataclasses.replace(runtime, plan=dataclasses.replace(runtime.plan, xla=True,
                                                                  reasons=reasons))
-
-
-def _auto_precision(hw: Hardware) -> tuple[str, str]:
-    if hw.tpus:
-        return "mixed_bfloat16", "auto: TPU computes in bfloat16 natively"
-    if hw.gpus:
-        cc = min(hw.gpus)
-        if cc >= BFLOAT16_MIN_CC:
-            return "mixed_bfloat16", (f"auto: GPU compute capability {cc[0]}.{cc[1]} runs "
-                                      "bfloat16 at float16 speed without loss scaling")
-        if cc >= FLOAT16_MIN_CC:
-            return "mixed_float16", (f"auto: GPU compute capability {cc[0]}.{cc[1]} has float16 "
-                                     "tensor cores")
-        return "float32", f"auto: GPU compute capability {cc[0]}.{cc[1]} has no tensor cores"
-    if hw.cpu_has_bf16:
-        return "mixed_bfloat16", "auto: this CPU has native bfloat16 (AVX512_BF16/AMX)"
-    return "float32", "auto: this CPU has no native bfloat16"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -80,6 +80,7 @@ def fit(model, train, validation=None, *, epochs: int | None = None,
     import tensorflow as tf
 
     from tfspeed.training import checkpoints, fit_job, report, trainer
+    from tfspeed.training import job as job_lib
 
     if not isinstance(train, tf.data.Dataset):
         raise UsageError(f"train must be a tf.data.Dataset of (x, y) batches, got "
@@ -107,6 +108,7 @@ def fit(model, train, validation=None, *, epochs: int | None = None,
             optimizer=None if isinstance(optimizer, str) else optimizer,
             weight_scale=job.token_weight)
         out = {**dataclasses.asdict(result), "runtime": job.runtime.to_json(),
+               "plan": job_lib.report_plan(job, result.steps_per_execution),
                "objectives": job.objectives.report, "model_dir": config.model_dir,
                "config": config.to_json(), **_image_input(train)}
         if job.runtime.is_chief:

@@ -19,10 +19,11 @@ import os
 
 from absl import logging
 
+from tfspeed import plan
 from tfspeed.util.files import write_json_atomic
 
 FILE = "decisions.json"
-REUSED = "reused from the first run"
+REUSED = plan.REUSED_NOTE  # "reused from the first run"
 
 
 def _fingerprint(config, backend: str) -> str:

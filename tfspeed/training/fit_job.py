@@ -60,7 +60,9 @@ def prepare(config, model, train, validation=None, *, strategy=None, task=None, 
         return built, _objectives(built, loss, metrics, task, sequences)
 
     given = isinstance(model, _keras_model())  # keeps its own precision: nothing to probe
+    probed = ""
     if not given and job_lib.precision_to_measure(config, rt):
+        probed = "measured"
         held = iter(rt.distribute(
             tf.data.Dataset.from_tensors(first).repeat()))
         run_steps = config.train.train_steps * config.train.grad_accum_steps or (
@@ -81,7 +83,8 @@ def prepare(config, model, train, validation=None, *, strategy=None, task=None, 
         config=config, runtime=rt, schema=None, model=built, train_data=distribute(data),
         eval_data=distribute(validation) if validation is not None else None,
         eval_steps=None, input_shape=(), num_train=per_epoch * batch, prepare_seconds=0.0,
-        objectives=goals, epoch_batches=per_epoch, token_weight=weight)
+        objectives=goals, epoch_batches=per_epoch, token_weight=weight,
+        plan=job_lib.runtime_plan(config, rt, probed))
 
 
 def _objectives(model, loss, metrics, task: str, sequences: bool):

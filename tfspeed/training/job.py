@@ -18,7 +18,8 @@ import sys
 
 from absl import logging
 
-from tfspeed.config import BATCHING_MODES, Config
+from tfspeed import plan
+from tfspeed.config import Config
 from tfspeed.errors import UsageError
 from tfspeed.training import decisions
 
@@ -56,6 +57,7 @@ class Job:
     token_weight: float | None = None  # tfspeed.fit's token batches: divides each loss sum
     decisions: object = None  # measured choices, recorded for a rerun (training.decisions)
     probe_compiles: dict = dataclasses.field(default_factory=dict)  # probe -> step programs
+    plan: object = None  # every auto, resolved: ``tfspeed.plan.Plan`` (report.json's plan)
 
     @property
     def train_data_config(self):
@@ -167,14 +169,16 @@ def _build(config: Config, rt, lock: locks.Lock | None, converted_s: float = 0.0
     # sequences it reads instead (job_input): its batches of similar lengths are not a sample.
     eval_steps = (config.train.eval_steps or None) if batching is None else None
     input_shape = pipeline.input_shape(schema, data)
+    probed = ""  # precision's source where a probe decided it
     if precision_to_measure(config, rt) and (recorded := decided.get("precision")):
-        rt = decisions.with_precision(rt, recorded)
+        rt, probed = decisions.with_precision(rt, recorded), plan.REUSED
     elif precision_to_measure(config, rt):
         rt = measure_job_precision(config, rt, schema, inputs, input_shape, steps_per_epoch,
                                    batching, compiles, engine_at=engine_at)
         keras.utils.set_random_seed(data.seed)  # the probe's models drew from the generator
         decided.record("precision", {"value": rt.plan.precision,
                                      "reason": rt.plan.reasons["precision"]})
+        probed = plan.MEASURED
     model, goals = build_model(config, rt, schema, input_shape, batching)
     # One input pipeline per worker process.
     sharding = pipeline.sharding(len(schema.split(data.train_split).shards), rt.num_workers)
@@ -192,7 +196,30 @@ def _build(config: Config, rt, lock: locks.Lock | None, converted_s: float = 0.0
                prepare_seconds=prepare_seconds, input_sharding=sharding, lock=lock,
                preprocess=inputs.preprocess, input_report=inputs.report,
                data_configs=inputs.configs, objectives=goals, epoch_batches=epoch_batches,
-               batching=batching, decisions=decided, probe_compiles=compiles)
+               batching=batching, decisions=decided, probe_compiles=compiles,
+               plan=_plan(config, rt, inputs.report, batching, probed))
+
+
+def _plan(config: Config, rt, input_report: dict, batching, probed: str):
+    """The job's ``tfspeed.plan.Plan``: the runtime's decisions, the input's, the batching's."""
+    out = runtime_plan(config, rt, probed)
+    out = out.with_(**dict(plan.of_input(config.data, input_report).decisions))
+    return out.with_(batching=batching.decision()) if batching is not None else out
+
+
+def runtime_plan(config: Config, rt, probed: str = ""):
+    """The runtime's decisions as a ``tfspeed.plan.Plan`` (``probed``: precision's source
+    where a probe decided it, ``measured`` or ``reused``)."""
+    values = {"strategy": rt.plan.strategy, "precision": rt.plan.precision,
+              "xla": rt.plan.xla, "intra_op_threads": rt.plan.intra_op_threads}
+    return plan.of_runtime(config.runtime, rt.plan.reasons, values, probed)
+
+
+def report_plan(job: Job, tuning: dict) -> dict:
+    """report.json's ``plan``: every ``auto`` of the run, its value, reason and source
+    (``tuning``: the trainer's steps per execution)."""
+    spe = plan.steps_per_execution(job.config.train.steps_per_execution, tuning)
+    return (job.plan or plan.Plan()).with_(steps_per_execution=spe).to_json()
 
 
 # An engine built to be timed, not to train a run: its schedule never ends early.
@@ -226,63 +253,56 @@ def build_model(config: Config, rt, schema, input_shape: tuple[int, ...], batchi
     return model, goals
 
 
-def resolve_batching(config: Config, rt, schema):
+def resolve_batching(config: Config, rt, schema, recall=None, probe=None):
     """The job's token batching: ``tfspeed.data.text.resolve`` with what the model tells
-    (whether it keeps packed sequences apart, its attention's cost). Resolved once per job;
-    its input, model, report, tune and diagnose all take this value."""
+    (whether it keeps packed sequences apart, its attention's cost) and the runtime
+    (``plan.compiled_modes``). Resolved once per job; its input, model, report, tune and
+    diagnose all take this value. ``recall``, ``probe``: ``tfspeed.plan.batching``'s."""
     from tfspeed.data import text
+    from tfspeed.runtime import backends
     from tfspeed.training import models
 
     k = models.attention_length(config.model, schema.task, schema.num_outputs)
     train = config.train
+    compiled = plan.compiled_modes(config.runtime.xla, rt.plan.xla,
+                                   backends.get(rt.backend).compiles_every_step)
     return text.resolve(config.data, schema, models.takes_segments(config.model.name),
-                        rt.num_replicas, attention_length=k,
-                        compiled=_compiled_modes(config, rt),
+                        rt.num_replicas, attention_length=k, compiled=compiled,
                         run_steps=train.train_steps * train.grad_accum_steps,
-                        run_epochs=0 if train.train_steps else train.epochs)
+                        run_epochs=0 if train.train_steps else train.epochs,
+                        recall=recall, probe=probe)
 
 
 def _decided_batching(config: Config, rt, schema, decided, compiles: dict):
-    """The job's batching: measured (``measure_batching``) and recorded in a first run, the
-    recorded mode in a rerun of it (``decided``: ``training.decisions``)."""
-    recorded = decided.get("batching") if config.data.batching == "auto" else None
-    if recorded:
-        chosen = resolve_batching(dataclasses.replace(config, data=dataclasses.replace(
-            config.data, batching=recorded["mode"])), rt, schema)
-        return dataclasses.replace(chosen, reason=f"{recorded['reason']}; {decisions.REUSED}",
-                                   measured=recorded["measured"])
-    batching = measure_batching(config, rt, schema, resolve_batching(config, rt, schema),
-                                compiles)
-    if batching.measured:  # a prediction is made again alike; a measurement might not be
+    """The job's batching as ``tfspeed.plan.batching`` walks it: the first run's recorded
+    mode in a rerun (``decided``: ``training.decisions``), else predicted, else measured
+    (``measure_batching``) and recorded."""
+    batching = measure_batching(config, rt, schema, compiles,
+                                recall=lambda: decided.get("batching"))
+    if batching.source == "measured":  # a prediction is made again alike; a measurement not
         decided.record("batching", {"mode": batching.mode, "reason": batching.reason,
                                     "measured": batching.measured})
     return batching
 
 
-def measure_batching(config: Config, rt, schema, batching, compiles: dict | None = None):
-    """``--batching=auto`` by measurement where the prediction is not clear: when neither
-    bucket nor pack is predicted ``costs.BATCHING_MARGIN`` cheaper and both passes of
-    both modes fit in the probe's share of the run, each mode's own batches (the same
-    number, from the job's pipeline) train a fresh copy of the job's model
-    (``autotune.time_batchings``), and the faster in real tokens/s is taken. Otherwise
-    ``batching`` as predicted, its reason saying why nothing was timed. ``compiles``, if
+def measure_batching(config: Config, rt, schema, compiles: dict | None = None, recall=None):
+    """The job's batching with its probe: where ``tfspeed.plan.batching`` finds bucket and
+    pack within the cost model's error and both passes of both modes fit in the probe's
+    share of the run, each mode's own batches (the same number, from the job's pipeline)
+    train a fresh copy of the job's model (``autotune.time_batchings``). ``compiles``, if
     given, learns how many step programs the probe compiled (``compiles["batching"]``)."""
+    return resolve_batching(config, rt, schema, recall=recall, probe=functools.partial(
+        _time_batchings, config, rt, schema, compiles))
+
+
+def _time_batchings(config: Config, rt, schema, compiles: dict | None) -> dict:
+    """``tfspeed.plan.batching``'s probe: ``{"rates", "steps"}``, or ``{"skipped": why}``."""
     import keras
 
     from tfspeed.data import text as text_lib
     from tfspeed.probes import autotune
-    from tfspeed.probes.costs import BATCHING_MARGIN
-    from tfspeed.training import models
 
     data, train = config.data, config.train
-    costs = batching.costs
-    if data.batching != "auto" or not models.takes_segments(config.model.name):
-        return batching
-    ratio = max(costs["bucket"], costs["pack"]) / max(min(costs["bucket"], costs["pack"]), 1e-9)
-    if ratio >= BATCHING_MARGIN:
-        return dataclasses.replace(batching, reason=(
-            f"{batching.reason}; not timed: predicted {ratio:.2f}x apart, beyond the cost "
-            f"model's error"))
     modes = {m: resolve_batching(dataclasses.replace(
         config, data=dataclasses.replace(data, batching=m)), rt, schema)
         for m in ("bucket", "pack")}
@@ -293,24 +313,15 @@ def measure_batching(config: Config, rt, schema, batching, compiles: dict | None
               if train.train_steps else train.epochs)
     steps = autotune.batching_probe_steps(len(modes["bucket"].boundaries), batches, passes)
     if not steps:
-        return dataclasses.replace(batching, reason=(
-            f"{batching.reason}; not timed: a probe of {2 * autotune.PROBE_N} batches of each "
-            f"mode is over {autotune.PROBE_SHARE:.0%} of this run ({passes:.3g} passes)"))
+        return {"skipped": f"a probe of {2 * autotune.PROBE_N} batches of each mode is over "
+                           f"{autotune.PROBE_SHARE:.0%} of this run ({passes:.3g} passes)"}
     runs = {m: _probe_run(config, rt, schema, b, steps) for m, b in modes.items()}
     rates = autotune.time_batchings(runs, steps, agree=rt.mean_over_workers,
                                     progress=logging.info)
     keras.utils.set_random_seed(data.seed)  # the probe's models drew from the generator
     if compiles is not None:
         compiles["batching"] = sum(run[0].compiled_functions for run in runs.values())
-    mode = max(rates, key=rates.get)
-    figures = ", ".join(f"{m} {r:,.0f}" for m, r in rates.items())
-    reason = (f"auto: {mode}, the more real tokens/s measured over {steps} batches each "
-              f"({figures}; predicted work per real token: bucket {costs['bucket']:.2f}, "
-              f"pack {costs['pack']:.2f})")
-    logging.info("--batching=%s", reason)
-    measured = {m: {"real_tokens_per_sec": round(r, 1), "batches": steps}
-                for m, r in rates.items()}
-    return dataclasses.replace(modes[mode], reason=reason, measured=measured)
+    return {"rates": rates, "steps": steps}
 
 
 def _probe_run(config: Config, rt, schema, batching, steps: int):
@@ -332,15 +343,6 @@ def _probe_run(config: Config, rt, schema, batching, steps: int):
                           mode_rt.plan.precision, batching=batching)
     return engine, iter(rt.distribute(ds.repeat())), real
 
-
-def _compiled_modes(config: Config, rt) -> tuple[str, ...]:
-    """The batchings whose every batch shape compiles on this runtime: all of them on JAX
-    or under XLA; on TensorFlow with ``--xla=auto`` packed rows (``runtime.for_batching``)."""
-    from tfspeed.runtime import backends
-
-    if backends.get(rt.backend).compiles_every_step or rt.plan.xla:
-        return BATCHING_MODES
-    return ("pack",) if config.runtime.xla == "auto" else ()
 
 def build_engine(config: Config, rt, model, goals, preprocess=None,
                  total_updates: int = PROBE_UPDATES, batching=None):
@@ -370,10 +372,10 @@ def engine_at(config: Config, rt, schema, input_shape, preprocess, precision: st
     """
     import keras
 
-    plan = dataclasses.replace(rt.plan, precision=precision,
-                               loss_scale=precision == "mixed_float16",
-                               xla=rt.plan.xla if xla is None else xla)
-    rt = dataclasses.replace(rt, plan=plan)
+    timed = dataclasses.replace(rt.plan, precision=precision,
+                                loss_scale=precision == "mixed_float16",
+                                xla=rt.plan.xla if xla is None else xla)
+    rt = dataclasses.replace(rt, plan=timed)
     keras.mixed_precision.set_global_policy(precision)
     model, goals = build_model(config, rt, schema, input_shape, batching)
     return build_engine(config, rt, model, goals, preprocess, batching=batching), rt

@@ -1,6 +1,6 @@
 """The precision probe: where bfloat16 is native on a CPU (or ``--precision=measure``), a
 few steps of the job's own model in float32 and in the mixed policy decide which it trains
-in (``tfspeed.probes.autotune.choose_precision``). The driver (``training.job``) and
+in (``tfspeed.plan.measured_precision``). The driver (``training.job``) and
 ``tfspeed.fit`` both probe through here; the driver records the choice for a rerun
 (``training.decisions``)."""
 
@@ -16,17 +16,17 @@ from tfspeed.config import Config
 def precision_to_measure(config: Config, rt) -> bool:
     """``--precision=measure``, or ``auto`` chose bfloat16 for a CPU: measure whether it
     pays for this model."""
-    if config.runtime.precision == "measure":
-        return True
-    return (config.runtime.precision == "auto" and rt.plan.precision == "mixed_bfloat16"
-            and rt.plan.reasons.get("precision", "").startswith("auto: this CPU"))
+    from tfspeed import plan
+
+    return plan.precision_to_measure(config.runtime.precision,
+                                     rt.plan.reasons.get("precision", ""))
 
 
 def measure_precision(config: Config, rt, engine_for, source, run_steps: int,
                       compiles: dict | None = None):
     """Times a few steps of the job's model (its loss and metrics too) in float32 and in the
     mixed policy on one real batch; returns the runtime with the faster policy set
-    (``autotune.choose_precision``). Logs each stage: tracing a large model takes a while.
+    (``plan.measured_precision``). Logs each stage: tracing a large model takes a while.
     The driver and ``tfspeed.fit`` both probe through here.
 
     Args:
@@ -37,6 +37,7 @@ def measure_precision(config: Config, rt, engine_for, source, run_steps: int,
     """
     import keras
 
+    from tfspeed import plan
     from tfspeed.probes import autotune
 
     candidate = rt.plan.precision
@@ -50,7 +51,8 @@ def measure_precision(config: Config, rt, engine_for, source, run_steps: int,
     seconds = {policy: rt.mean_over_workers(t) for policy, t in timed.items()}
     if compiles is not None:
         compiles["precision"] = sum(e.compiled_functions for e in engines.values())
-    choice, why = autotune.choose_precision(candidate, seconds, config.runtime.precision)
+    decided = plan.measured_precision(candidate, seconds, config.runtime.precision)
+    choice, why = decided.value, decided.reason
     keras.mixed_precision.set_global_policy(choice)
     logging.info("--precision=%s", why)
     return dataclasses.replace(rt, plan=dataclasses.replace(

@@ -8,7 +8,7 @@ serialises).
 from __future__ import annotations
 
 from tfspeed.config import Config
-from tfspeed.training.job import Job, data_errors, prepare, weight_scale
+from tfspeed.training.job import Job, data_errors, prepare, report_plan, weight_scale
 from tfspeed.util import system
 
 
@@ -69,6 +69,7 @@ def _train_and_report(job: Job) -> dict:
         "skipped_updates": result.skipped_updates,
         "resumed_from_update": result.resumed_from_update,
         "steps_per_execution": result.steps_per_execution,
+        "plan": report_plan(job, result.steps_per_execution),
         "compiled_programs": result.compiled_programs,
         # The probes' engines are programs compiled too (one each per input shape timed).
         "probe_compiled_programs": job.probe_compiles,

@@ -164,6 +164,7 @@ def _measure_text_input(job, budget: Budget, held) -> _InputFindings:
     on, in the same units."""
     import numpy as np
 
+    from tfspeed import plan as plan_lib
     from tfspeed.data import long_texts, pipeline
     from tfspeed.data import text as text_lib
     from tfspeed.probes import costs
@@ -171,7 +172,7 @@ def _measure_text_input(job, budget: Budget, held) -> _InputFindings:
 
     data, resolved = job.train_data_config, job.batching
     split = data.train_split
-    modes = list(costs.modes(models.takes_segments(job.config.model.name)))
+    modes = list(plan_lib.batching_modes(models.takes_segments(job.config.model.name)))
     modes.sort(key=lambda mode: mode != resolved.mode)
     mean = resolved.mean_length
     pieces = long_texts.piece_counts(text_lib.length_counts(job.schema, split),

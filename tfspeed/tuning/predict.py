@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 import itertools
 
+from tfspeed import plan
+from tfspeed.config import AUTO
 from tfspeed.probes import autotune
 from tfspeed.probes.costs import TOKEN_BUDGET_MARGIN
 from tfspeed.tuning.measurements import InputKey, Measurements, StepKey, StepTiming
@@ -177,14 +179,13 @@ def candidates(m: Measurements) -> list[Candidate]:
     Token batches take XLA only packed where the step was also measured without it (a
     CPU): padded and bucketed batches change shape from batch to batch, and XLA compiles
     each shape, seconds apart, which the step timed on one held batch does not show (so the
-    driver's ``--xla=auto`` leaves them uncompiled there, ``runtime.for_batching``).
+    driver's ``--xla=auto`` leaves them uncompiled there: ``tfspeed.plan.compiled_modes``).
     """
     if m.text:
         base = dataclasses.replace(m, text=None)
         return [dataclasses.replace(c, batching=mode, tokens_per_batch=tokens)
                 for c in candidates(base) for mode, tokens in token_choices(m)
-                if mode == "pack" or c.xla == "off" or
-                StepKey(c.precision, "off") not in m.step]
+                if c.xla == "off" or mode in _compiled(c, m)]
     steps = {key: spe_choices(timing, m.steps_per_epoch) for key, timing in m.step.items()}
     threads = sorted({0, *([m.cores - 1] if m.cores > 1 else [])})
     inputs = [("device", "none", "batched", 0)] if m.device_ok else []
@@ -194,6 +195,12 @@ def candidates(m: Measurements) -> list[Candidate]:
     return [Candidate(where, cache, parse, t, key.precision, key.xla, n)
             for (where, cache, parse, t), key in itertools.product(inputs, m.step)
             for n in steps[key]]
+
+
+def _compiled(c: Candidate, m: Measurements) -> tuple[str, ...]:
+    """The batchings the driver's ``--xla=auto`` compiles where ``c``'s step was measured:
+    every one where it was never measured without XLA (an accelerator), else packed rows."""
+    return plan.compiled_modes(AUTO, StepKey(c.precision, "off") not in m.step, False)
 
 
 def rank(m: Measurements) -> list[dict]:

@@ -12,7 +12,9 @@ import time
 
 from absl import logging
 
+from tfspeed import plan as plan_lib
 from tfspeed.config import is_auto
+from tfspeed.plan import pinned_batching
 from tfspeed.probes import autotune
 from tfspeed.tuning.measurements import Measurements
 from tfspeed.tuning.predict import (
@@ -147,7 +149,7 @@ def plan_run(config, c: Candidate | None, m: Measurements, rate: float,
 
 def measured_precision(m: Measurements) -> dict:
     """``{"precision": policy}``: what the driver's ``--precision=auto`` probe would choose
-    (``autotune.choose_precision``, its rule and margin) from the tune's own timings of the
+    (``plan.measured_precision``, its rule and margin) from the tune's own timings of the
     step in float32 and in the hardware's mixed policy; {} where one was not measured.
 
     A run of the user's flags given this does not probe again: the probe builds and traces
@@ -159,7 +161,7 @@ def measured_precision(m: Measurements) -> dict:
     mixed = [p for p in timed if p != "float32"]
     if "float32" not in timed or not mixed:
         return {}
-    return {"precision": autotune.choose_precision(mixed[0], timed)[0]}
+    return {"precision": plan_lib.measured_precision(mixed[0], timed).value}
 
 
 def auto_spe(m: Measurements) -> int:
@@ -362,8 +364,8 @@ class Verifier:
         plan, pinned = plan_run(self.config, c, self.m, speed, min(cold, speed),
                                 max_seconds=fits), {}
         job = (self.m.text or {}).get("job")
-        if c is None and job and is_auto(self.config.data.batching):
-            pinned["batching"] = job["batching"]
+        if c is None and job:
+            pinned.update(pinned_batching(self.config.data.batching, job["batching"]))
         if c is None and self.config.runtime.precision in ("auto", "measure"):
             pinned.update(measured_precision(self.m))
         if c is None and is_auto(self.config.train.steps_per_execution) and not (
