@@ -9,6 +9,7 @@ hand elements on in the order they finish, so two uninterrupted runs differ alre
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -63,7 +64,15 @@ def test_the_default_text_job_resumes_exactly_after_sigkill(text_dirs, tmp_path)
     resumed = subprocess.run(_command(data, killed_dir), cwd=REPO, env=env,
                              capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
+    # The straight run takes the killed run's measured decisions (precision, batching, steps
+    # per call) from the same file a rerun reads: probed anew on a loaded host, it could
+    # choose otherwise (float32 against bf16 within noise) and train other weights.
+    (tmp_path / "straight" / "checkpoints").mkdir(parents=True)
+    shutil.copy(killed_dir / "checkpoints" / "decisions.json",
+                tmp_path / "straight" / "checkpoints" / "decisions.json")
     straight = _run_here(_command(data, tmp_path / "straight"))
+    straight_report = json.loads((tmp_path / "straight" / "report.json").read_text())
+    assert not straight_report["decisions"]["made"], straight_report["decisions"]
     report = json.loads((killed_dir / "report.json").read_text())
     assert 0 < report["resumed_from_update"] < STEPS
     # What the killed run measured (precision on a host with native bfloat16, batching
