@@ -17,11 +17,13 @@ import sys
 
 from tfspeed.util.cli import main_entry
 
-USAGE = ("usage: python -m tfspeed.run [--cache_dir=DIR] [--min_engine_seconds=S] SCRIPT.py "
-         "[the script's arguments]\n\n" + __doc__
+USAGE = ("usage: python -m tfspeed.run [--cache_dir=DIR] [--min_engine_seconds=S] "
+         "[--min_engine_speedup=R] SCRIPT.py [the script's arguments]\n\n" + __doc__
          + "\n  --cache_dir: where the stores go (default: $TFSPEED_CACHE_DIR, else "
          "~/.cache/tfspeed/datasets)\n  --min_engine_seconds: a fit's epochs 2 on move to the "
-         "engine only where Keras' fit would take this long for them (default 20)\n")
+         "engine only where Keras' fit would take this long for them (default 20)\n"
+         "  --min_engine_speedup: the epochs after the engine's first stay there only where "
+         "it measured at least this many times Keras' examples/s (default 1)\n")
 
 
 def main(argv: list[str]) -> None:
@@ -32,21 +34,22 @@ def main(argv: list[str]) -> None:
     from tfspeed.attach.store import ENV_DIR
     from tfspeed.errors import UsageError
 
-    argv, seconds = list(argv), None
+    argv, numbers = list(argv), {"--min_engine_seconds": None, "--min_engine_speedup": None}
     while argv and argv[0].startswith("--"):  # tfspeed's own options, before the script
         name, _, value = argv.pop(0).partition("=")
         if name == "--cache_dir":
             os.environ[ENV_DIR] = os.path.abspath(value)
-        elif name == "--min_engine_seconds" and value.replace(".", "", 1).isdigit():
-            seconds = float(value)
+        elif name in numbers and value.replace(".", "", 1).isdigit():
+            numbers[name] = float(value)
         else:
             raise UsageError(f"python -m tfspeed.run {name}={value}: its options are "
-                             "--cache_dir=DIR and --min_engine_seconds=SECONDS (a number), "
-                             "before the script")
+                             "--cache_dir=DIR, --min_engine_seconds=SECONDS and "
+                             "--min_engine_speedup=RATIO (numbers), before the script")
     if not argv:
         raise UsageError("python -m tfspeed.run: give the script, e.g. python -m tfspeed.run "
                          "train.py --epochs=3")
-    run_script(argv[0], argv[1:], seconds)
+    run_script(argv[0], argv[1:], numbers["--min_engine_seconds"],
+               numbers["--min_engine_speedup"])
 
 
 def run_main() -> None:

@@ -37,8 +37,8 @@ def diagnose_script(path: str, argv: list[str], out_dir: str = "tfspeed_diagnose
     return stop.result
 
 
-def run_script(path: str, argv: list[str],
-               min_engine_seconds: float | None = None) -> list[dict]:
+def run_script(path: str, argv: list[str], min_engine_seconds: float | None = None,
+               min_engine_speedup: float | None = None) -> list[dict]:
     """Runs the script to its end, each ``fit``'s datasets given to ``tfspeed.optimize`` and
     its step to tfspeed's engine after a first epoch as written (``attach.step``); a ``fit``
     the engine cannot take runs on Keras' own, with the reason. Prints one line per ``fit``.
@@ -47,6 +47,8 @@ def run_script(path: str, argv: list[str],
       path, argv: the script and its arguments.
       min_engine_seconds: a fit's later epochs move to the engine only where Keras would
         take this long for them (None: ``step.MIN_ENGINE_SECONDS``).
+      min_engine_speedup: the epochs after the engine's first stay on it only where it
+        measured at least this many times Keras' examples/s (None: ``step.MIN_SPEEDUP``).
 
     Returns:
       Per ``fit`` call: what was optimised, where the step ran and the epochs' clocks.
@@ -54,33 +56,76 @@ def run_script(path: str, argv: list[str],
     from tfspeed.attach import step
 
     fits: list[dict] = []
+    limits = {"seconds": step.MIN_ENGINE_SECONDS if min_engine_seconds is None
+              else min_engine_seconds,
+              "speedup": step.MIN_SPEEDUP if min_engine_speedup is None
+              else min_engine_speedup}
 
     def handler(model, fit, args):
         record = {"changed": [], "epoch_seconds": []}
         fits.append(record)
         reason = step.why_not(model, args)
         written = {name: args.get(name) for name in ("x", "validation_data")}
-        for name in ("x", "validation_data"):
-            args[name] = _optimized(args.get(name), name, record)
         if reason is None:
-            try:
-                history = step.run_fit(
-                    model, fit, {**args, "written": written}, record,
-                    step.MIN_ENGINE_SECONDS if min_engine_seconds is None
-                    else min_engine_seconds)
+            try:  # on the data as written: the adapted model's outputs are the same
+                goals = step.objectives(model, written["x"])
             except step.NotOnEngine as e:  # met before any epoch ran
                 reason = str(e)
-            else:
-                print(step.summary(len(fits), record) + "; data: " + "; ".join(record["changed"]))
-                return history
-        record["keras_fit"] = reason
-        args["callbacks"] = [*(args.get("callbacks") or []), _EpochClock(record)]
-        history = fit(model, **args)
-        print(_summary(len(fits), record) + f"; the step ran on Keras' own fit: {reason}")
+        if reason is not None:  # Keras' fit on the model as given: no adapted model
+            for name in ("x", "validation_data"):
+                args[name] = _optimized(args.get(name), name, record)
+            record["keras_fit"] = reason
+            args["callbacks"] = [*(args.get("callbacks") or []), _EpochClock(record)]
+            history = fit(model, **args)
+            print(_summary(len(fits), record) + f"; the step ran on Keras' own fit: {reason}")
+            return history
+        engine_model = _optimized_with_model(model, args, record)
+        history = step.run_fit(model, fit, {**args, "written": written,
+                                            "engine_model": engine_model, "goals": goals},
+                               record, limits["seconds"], limits["speedup"])
+        print(step.summary(len(fits), record) + "; data: " + "; ".join(record["changed"]))
         return history
 
     script.run(path, argv, handler)
     return fits
+
+
+def _optimized_with_model(model, args: dict, record: dict):
+    """``args``' datasets through ``optimize`` with the model (uint8 images, text by length)
+    for the engine's epochs; returns the model they train: an adapted one around the user's
+    layers, or the user's. The validation data goes through the same rewrite, or stays as
+    written where the adapted model takes it; where it cannot be made to fit, both datasets
+    are optimised without the model, and the line says why."""
+    from tfspeed.attach.optimize import optimize
+
+    x, adapted = optimize(args["x"], model)
+    val = args.get("validation_data")
+    _note(x, "x", record)
+    if adapted is model or val is None or _same_inputs(x, val):
+        args["x"], args["validation_data"] = x, _optimized(val, "validation_data", record)
+        return adapted
+    val_out, _ = optimize(val, model)
+    if _same_inputs(x, val_out):
+        _note(val_out, "validation_data", record)
+        args["x"], args["validation_data"] = x, val_out
+        return adapted
+    record["changed"].append(
+        f"validation_data is not rewritten as x was ({val_out.element_spec[0]} against "
+        f"{x.element_spec[0]}): both optimised without the model, which trains as given")
+    for name in ("x", "validation_data"):
+        args[name] = _optimized(args.get(name), name, record)
+    return model
+
+
+def _same_inputs(train, val) -> bool:
+    """Whether ``val``'s inputs have the dtypes and shapes (any where ``train``'s have
+    none) of ``train``'s: the model adapted to ``train`` takes them."""
+    import tensorflow as tf
+
+    ours, theirs = (tf.nest.flatten(d.element_spec[0]) for d in (train, val))
+    return len(ours) == len(theirs) and all(
+        a.dtype == b.dtype and a.shape.is_compatible_with(b.shape)
+        for a, b in zip(ours, theirs, strict=True))
 
 
 def _optimized(data, name: str, record: dict):
@@ -94,11 +139,15 @@ def _optimized(data, name: str, record: dict):
                                      f"({type(data).__name__}): fed by Keras as written")
         return data
     out = optimize(data)
+    _note(out, name, record)
+    return out
+
+
+def _note(out, name: str, record: dict) -> None:
     report = out.tfspeed_report
     record["changed"].append(f"{name}: {report.verdict}")
     record["state"] = report.state if name == "x" else record.get("state", "")
     record.setdefault("stores", {})[name] = report.store
-    return out
 
 
 def _epoch_clock_class():

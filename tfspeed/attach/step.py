@@ -32,6 +32,9 @@ TAKEN = {"x", "y", "validation_data", "epochs", "callbacks", "verbose", "shuffle
 # about 1.5 s on a tiny CNN on 2 CPU cores (its 4 later epochs took 5.6 s against 4.7 s on
 # Keras as written), more for larger models; a shorter rest cannot repay them.
 MIN_ENGINE_SECONDS = 20.0
+# The epochs after the engine's first stay on it only where it ran at least this many times
+# Keras' examples/s (``handback``).
+MIN_SPEEDUP = 1.0
 
 
 class NotOnEngine(Exception):  # noqa: N818 -- a reason, not an error
@@ -152,29 +155,31 @@ def _per_example(fn, name: str):
 
 
 def run_fit(model, fit, args: dict, record: dict,
-            min_engine_seconds: float = MIN_ENGINE_SECONDS):
+            min_engine_seconds: float = MIN_ENGINE_SECONDS, min_speedup: float = MIN_SPEEDUP):
     """Runs one ``fit`` call: epoch 1 on Keras' ``fit`` with the data as written, the rest
-    on ``tfspeed.fit`` with ``args``' datasets (optimised where the runner did so).
+    on ``tfspeed.fit`` with ``args``' datasets (optimised where the runner did so), or,
+    where the engine's first epoch measured slower than Keras' (``handback``), the epochs
+    after it on Keras' fit as written.
 
     Args:
       model: the compiled model (``why_not`` found nothing against it).
       fit: Keras' own ``fit``.
       args: the call's arguments by name; ``written`` holds its datasets as the script made
-        them (``x``, ``validation_data``).
+        them (``x``, ``validation_data``), ``goals`` the ``objectives`` and
+        ``engine_model`` the model the engine trains (the user's, or one around its layers
+        that takes the rewritten data: ``optimize(ds, model)``'s).
       min_engine_seconds: the later epochs stay on Keras' fit where it would take less
         (``MIN_ENGINE_SECONDS``).
+      min_speedup: the engine keeps the epochs after its first only where it ran at
+        least this many times Keras' examples/s (``MIN_SPEEDUP``).
       record: filled with ``epochs`` (each epoch's clock, per phase) and ``engine`` (what
         the engine resolved).
 
     Returns:
       The ``keras.callbacks.History`` of all the epochs.
-
-    Raises:
-      NotOnEngine: the loss or metrics (met before any epoch runs).
     """
     import keras
 
-    loss, metrics = objectives(model, args["x"])
     record["batch"] = int(keras.tree.flatten(next(iter(args["x"].take(1)))[1])[0].shape[0])
     epochs, verbose = args.get("epochs", 1), args.get("verbose", "auto")
     verbose = 1 if verbose == "auto" else verbose
@@ -198,22 +203,27 @@ def run_fit(model, fit, args: dict, record: dict,
             "and compile; --min_engine_seconds=0 moves them anyway")
         _rest_on_keras(model, fit, args, epochs, inner, record)
     else:
-        _rest_on_engine(model, fit, args, epochs, (loss, metrics), inner, record)
+        _rest_on_engine(model, fit, args, epochs, inner, record, min_speedup)
     record["end"] = time.perf_counter()
     return history
 
 
-def _rest_on_engine(model, fit, args, epochs: int, goals, inner, record) -> None:
+def _rest_on_engine(model, fit, args, epochs: int, inner, record, min_speedup: float) -> None:
     """Epochs 2 on, on the engine; where its job refuses the data or model before any step
-    (a ``UsageError``), on Keras' fit as written, the reason in ``record["keras_rest"]``."""
+    (a ``UsageError``), on Keras' fit as written, the reason in ``record["keras_rest"]``;
+    where its first epoch ran slower than Keras' (``handback``), the epochs after it on
+    Keras' fit as written, the reason in ``record["handed_back"]``."""
+    from tfspeed.attach import handback
     from tfspeed.errors import UsageError
 
     clock = record["epochs"]["engine"]
     model_dir = tempfile.mkdtemp(prefix="tfspeed-run-")
+    slower = handback.judge(record, min_speedup, epochs - 2)
     try:
-        record["engine"] = _engine_fit(model, args["x"], args.get("validation_data"),
-                                       epochs - 1, *goals, model_dir,
-                                       _relay(inner, clock, offset=1))
+        record["engine"] = _engine_fit(
+            args.get("engine_model", model), args["x"], args.get("validation_data"),
+            epochs - 1, *args["goals"], model_dir,
+            _relay(inner, clock, offset=1, user=model, slower=slower))
     except UsageError as e:
         if clock:  # met while training: the script's own mistake, as Keras would meet it
             raise
@@ -221,13 +231,16 @@ def _rest_on_engine(model, fit, args, epochs: int, goals, inner, record) -> None
         _rest_on_keras(model, fit, args, epochs, inner, record)
     finally:
         shutil.rmtree(model_dir, ignore_errors=True)
+    if "handed_back" in record:
+        _rest_on_keras(model, fit, args, epochs, inner, record, 1 + len(clock))
 
 
-def _rest_on_keras(model, fit, args, epochs: int, inner, record) -> None:
-    """Epochs 2 on, on Keras' fit as written, numbered on and ending the run."""
+def _rest_on_keras(model, fit, args, epochs: int, inner, record, initial: int = 1) -> None:
+    """Epochs ``initial + 1`` on, on Keras' fit as written, numbered on and ending the run."""
     written = args["written"]
     fit(model, written["x"], validation_data=written.get("validation_data"), epochs=epochs,
-        initial_epoch=1, verbose=0, callbacks=[_relay(inner, record["epochs"]["keras"])])
+        initial_epoch=initial, verbose=0,
+        callbacks=[_relay(inner, record["epochs"]["keras"])])
 
 
 def _keras_seconds(epoch: dict) -> float:
@@ -268,19 +281,30 @@ def _engine_fit(model, train, val, epochs: int, loss, metrics, model_dir: str, r
             "steps_per_execution": chosen if chosen is not None else "?"}
 
 
-def _relay(inner, clock: list, first: bool = False, offset: int = 0):
+def _relay(inner, clock: list, first: bool = False, offset: int = 0, user=None,
+           slower=None):
     """A callback for one phase (Keras' epoch, the engine's): passes each hook on to the
     script's callbacks (``inner``), epochs numbered from ``offset``; only the first phase
-    begins training, only the engine's ends it. Times each epoch into ``clock``."""
+    begins training, only the last ends it. Times each epoch into ``clock``.
+
+    The engine's (``user`` given) may train a model around the user's: a stop the script's
+    callbacks set on the user's model stops it too; and where ``slower()`` says so at its
+    first epoch's end, it stops there without ending the run (Keras' fit goes on)."""
     import keras
 
+    def stop(model):
+        if user is not None and user is not model and user.stop_training:
+            model.stop_training = True
+
     class Relay(keras.callbacks.Callback):
+        handed_back = False
+
         def on_train_begin(self, logs=None):
             if first:
                 inner.on_train_begin(logs)
 
         def on_train_end(self, logs=None):
-            if not first:
+            if not first and not self.handed_back:
                 inner.on_train_end(logs)
 
         def on_epoch_begin(self, epoch, logs=None):
@@ -290,6 +314,9 @@ def _relay(inner, clock: list, first: bool = False, offset: int = 0):
         def on_epoch_end(self, epoch, logs=None):
             clock[-1]["end"] = time.perf_counter()
             inner.on_epoch_end(epoch + offset, logs)
+            stop(self.model)
+            if slower is not None and not self.model.stop_training and slower():
+                self.handed_back = self.model.stop_training = True
 
         def on_train_batch_begin(self, batch, logs=None):
             inner.on_train_batch_begin(batch, logs)
@@ -297,6 +324,7 @@ def _relay(inner, clock: list, first: bool = False, offset: int = 0):
         def on_train_batch_end(self, batch, logs=None):
             clock[-1]["calls"].append((batch, time.perf_counter()))
             inner.on_train_batch_end(batch, logs)
+            stop(self.model)
 
         def on_test_begin(self, logs=None):  # Keras' validation tells the callbacks
             inner.on_test_begin(logs)
@@ -323,6 +351,14 @@ def summary(n: int, record: dict) -> str:
     if "keras_rest" in record:
         return (f"tfspeed.run: fit {n}: epochs 2 on ran on Keras' own fit too: "
                 f"{record['keras_rest']}; epoch seconds {_seconds(keras_epochs)}")
+    if "handed_back" in record:
+        last = len(keras_epochs) + len(engine_epochs)
+        rest = f"epochs 3-{last}" if last > 3 else "epoch 3"
+        return (f"tfspeed.run: fit {n}: epoch 1 on Keras' fit as written, epoch 2 on "
+                f"tfspeed's engine, {rest} ran on Keras' fit as written: "
+                f"{record['handed_back']}; epoch seconds {_seconds(keras_epochs[:1])} as "
+                f"written, {_seconds(engine_epochs)} on tfspeed, "
+                f"{_seconds(keras_epochs[1:])} as written")
     before = _rate(keras_epochs[0], warm=False) if keras_epochs else None
     later = [r for r in (_rate(e, warm=True) for e in engine_epochs[1:]) if r]
     after = statistics.median(later) if later else (
@@ -343,7 +379,9 @@ def summary(n: int, record: dict) -> str:
             + ", ".join(f"{s:.2f}" for s in seconds) + " on tfspeed (validation included; "
             f"the whole fit {record['end'] - record['start']:.1f} s); "
             f"step: {engine.get('steps_per_execution', '?')} steps per call, XLA "
-            f"{engine.get('xla', '?')}, precision {engine.get('precision', '?')} (the model's)")
+            f"{engine.get('xla', '?')}, precision {engine.get('precision', '?')} (the model's)"
+            + (f"; kept on the engine: {record['engine_check']}" if "engine_check" in record
+               else ""))
 
 
 def _rate(epoch: dict, warm: bool) -> float | None:
