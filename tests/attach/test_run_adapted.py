@@ -2,6 +2,7 @@
 and the engine kept only where it measures faster than Keras' fit."""
 
 import json
+import re
 
 import pytest
 
@@ -10,6 +11,7 @@ from tests.attach.test_scripts import script_figures, tfspeed
 UINT8 = '''
 """The digits as uint8 images, scaled to floats in the pipeline's last map, as users write it."""
 import json
+import re
 
 import keras
 import numpy as np
@@ -42,6 +44,7 @@ print("SCRIPT " + json.dumps({
 TEXT = '''
 """The Keras text tutorial's shape: TextVectorization padded to a fixed length, a masked GRU."""
 import json
+import re
 
 import keras
 import numpy as np
@@ -117,8 +120,10 @@ def test_an_engine_slower_than_keras_hands_the_remaining_epochs_back_to_keras(ro
                    cwd=root, cache=root / f"cache-s-{backend}", backend=backend)
     figures = script_figures(done)
     (line,) = fit_lines(done)
-    assert "epochs 3-4 ran on Keras' fit as written" in line, line
-    # One History over the 4 epochs: 1 on Keras, 2 on the engine, 3-4 on Keras again, the
+    # Judged at the engine's first epoch, or its second where the first was all compiles.
+    assert re.search(r"on tfspeed's engine, epochs? [34].* ran on Keras' fit as written: "
+                     r"the engine's epoch [23] \d+ examples/s", line), line
+    # One History over the 4 epochs: 1 on Keras, then the engine, then Keras again, the
     # optimizer's updates counted on, the model's evaluate the last epoch's accuracy.
     assert figures["epoch"] == [0, 1, 2, 3] and len(figures["val_accuracy"]) == 4
     assert figures["iterations"] == 4 * 8

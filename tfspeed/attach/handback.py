@@ -1,8 +1,9 @@
 """Keep the engine only where it measures faster (``python -m tfspeed.run``).
 
 After a fit's epoch 1 on Keras' ``fit`` as written, epochs move to tfspeed's engine. Its first
-epoch there is timed against Keras' epoch 1, both in training batches per second and without
-their compiles where the clocks separate them; where the engine is slower than
+epoch there (past its compiles, where enough calls separate them; else its second) is timed
+against Keras' epoch 1 past its first step, both in training batches per second; where the
+engine is slower than
 ``min_speedup`` times Keras, the epochs left go back to Keras' ``fit`` as written (the same
 model, weights and optimizer). On JAX the engine was measured 3-7x slower than Keras-JAX on
 small CNNs: this is what keeps such a script from running slower than as written.
@@ -10,38 +11,45 @@ small CNNs: this is what keeps such a script from running slower than as written
 
 from __future__ import annotations
 
+import itertools
+import statistics
 
-def settled_rate(epoch: dict) -> tuple[float | None, str]:
+SETTLED_CALLS = 4  # calls past the first that the engine's first epoch needs to be judged
+
+
+def settled_rate(epoch: dict, first: bool) -> tuple[float | None, str]:
     """Training batches per second of one epoch's clock (``step._relay``'s: its begin and
-    each call's ``(last batch, time)``), validation left out, and how it was taken.
+    each call's ``(last batch, time)``), validation left out, and how it was taken; None
+    where it cannot be told apart from compiles.
 
-    The second half of the epoch's batches where it spans two calls or more (the first
-    call compiles; the steps-per-call tuner's probes, some compiling on JAX, come early);
-    else past the first call; else the whole epoch, its compile included.
+    The engine's first epoch (``first``) compiles: its first call, and on JAX each new
+    number of steps per call (the tuner's probes try several). There the median call's
+    pace past the first call, where ``SETTLED_CALLS`` calls or more follow it; else None.
+    A later epoch compiled nothing (or one short call): its whole training time.
     """
     calls = epoch.get("calls") or []
     if not calls:
         return None, "no batch"
-    last, end = calls[-1]
-    half = next((i for i, (batch, _) in enumerate(calls) if i and batch >= last / 2), None)
-    if half is not None and half < len(calls) - 1:
-        batch, start = calls[half]
-        return (last - batch) / max(end - start, 1e-9), "its later half"
-    if len(calls) > 1:
-        batch, start = calls[0]
-        return (last - batch) / max(end - start, 1e-9), "past its first call"
-    return (last + 1) / max(end - epoch["begin"], 1e-9), "its compile included (one call)"
+    if not first:
+        last, end = calls[-1]
+        return (last + 1) / max(end - epoch["begin"], 1e-9), "a whole epoch"
+    paces = [(b - a) / max(t - s, 1e-9) for (a, s), (b, t) in itertools.pairwise(calls)
+             if b > a]
+    if len(paces) < SETTLED_CALLS:
+        return None, f"{len(calls)} call(s): too few to leave its compiles out"
+    return float(statistics.median(paces)), "its median call past the first"
 
 
 def judge(record: dict, min_speedup: float, epochs_left: int):
-    """A function called at the end of the engine's first epoch: True where the engine was
-    slower than ``min_speedup`` times Keras' epoch 1 and epochs are left; it then writes why
-    in ``record["handed_back"]``.
+    """A function called at the end of each of the engine's epochs until one is timed (the
+    first, past its compiles, else the second): True where the engine was slower than
+    ``min_speedup`` times Keras' epoch 1 and epochs are left; it then writes why in
+    ``record["handed_back"]``.
 
     Args:
       record: the fit's record, with ``epochs`` (``keras`` and ``engine`` clocks).
       min_speedup: the engine's batches/s must reach this many times Keras'.
-      epochs_left: epochs after the engine's first.
+      epochs_left: the engine's epochs after its first.
 
     Returns:
       The function, of no arguments.
@@ -50,16 +58,18 @@ def judge(record: dict, min_speedup: float, epochs_left: int):
 
     def slower() -> bool:
         clocks = record["epochs"]
-        if epochs_left < 1 or len(clocks["engine"]) != 1 or not clocks["keras"]:
+        done = len(clocks["engine"])
+        if "engine_check" in record or epochs_left - (done - 1) < 1 or not clocks["keras"]:
             return False
         keras_rate = step._rate(clocks["keras"][0], warm=False)
-        engine_rate, how = settled_rate(clocks["engine"][0])
+        engine_rate, how = settled_rate(clocks["engine"][-1], first=done == 1)
         if not keras_rate or not engine_rate:
-            return False
+            return False  # judged at the next epoch's end
         batch = record.get("batch", 1)
         record["engine_check"] = (
-            f"the engine's first epoch {engine_rate * batch:.0f} examples/s ({how}) against "
-            f"Keras' epoch 1 {keras_rate * batch:.0f} ({engine_rate / keras_rate:.2f}x)")
+            f"the engine's epoch {done + 1} {engine_rate * batch:.0f} examples/s ({how}) "
+            f"against Keras' epoch 1 {keras_rate * batch:.0f} "
+            f"({engine_rate / keras_rate:.2f}x)")
         if engine_rate >= min_speedup * keras_rate:
             return False
         record["handed_back"] = (

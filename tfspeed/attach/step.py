@@ -202,6 +202,9 @@ def run_fit(model, fit, args: dict, record: dict,
             f"measured), under {min_engine_seconds:g} s: too short to repay the engine's setup "
             "and compile; --min_engine_seconds=0 moves them anyway")
         _rest_on_keras(model, fit, args, epochs, inner, record)
+    elif varying := _varying(args["x"]):
+        record["keras_rest"] = varying
+        _rest_on_keras(model, fit, args, epochs, inner, record, rewritten=True)
     else:
         _rest_on_engine(model, fit, args, epochs, inner, record, min_speedup)
     record["end"] = time.perf_counter()
@@ -235,12 +238,27 @@ def _rest_on_engine(model, fit, args, epochs: int, inner, record, min_speedup: f
         _rest_on_keras(model, fit, args, epochs, inner, record, 1 + len(clock))
 
 
-def _rest_on_keras(model, fit, args, epochs: int, inner, record, initial: int = 1) -> None:
-    """Epochs ``initial + 1`` on, on Keras' fit as written, numbered on and ending the run."""
-    written = args["written"]
-    fit(model, written["x"], validation_data=written.get("validation_data"), epochs=epochs,
-        initial_epoch=initial, verbose=0,
-        callbacks=[_relay(inner, record["epochs"]["keras"])])
+def _rest_on_keras(model, fit, args, epochs: int, inner, record, initial: int = 1,
+                   rewritten: bool = False) -> None:
+    """Epochs ``initial + 1`` on, on Keras' fit as written (``rewritten``: the engine's
+    model on the optimised data), numbered on and ending the run."""
+    data = args if rewritten else args["written"]
+    fit(args.get("engine_model", model) if rewritten else model, data["x"],
+        validation_data=data.get("validation_data"), epochs=epochs, initial_epoch=initial,
+        verbose=0, callbacks=[_relay(inner, record["epochs"]["keras"], user=model)])
+
+
+def _varying(train) -> str:
+    """Why the engine cannot take ``train``: inputs whose batches vary in shape beyond the
+    batch axis (text batched by length), which its fixed-size rebatching would mix."""
+    import tensorflow as tf
+
+    shapes = [s.shape for s in tf.nest.flatten(train.element_spec[0])]
+    if all(s.rank is not None and None not in s.as_list()[1:] for s in shapes):
+        return ""
+    return (f"x's batches vary in shape ({', '.join(str(s) for s in shapes)}: text batched "
+            "by length) and the engine takes one shape; Keras' fit trained on the optimised "
+            "data")
 
 
 def _keras_seconds(epoch: dict) -> float:
@@ -288,8 +306,8 @@ def _relay(inner, clock: list, first: bool = False, offset: int = 0, user=None,
     begins training, only the last ends it. Times each epoch into ``clock``.
 
     The engine's (``user`` given) may train a model around the user's: a stop the script's
-    callbacks set on the user's model stops it too; and where ``slower()`` says so at its
-    first epoch's end, it stops there without ending the run (Keras' fit goes on)."""
+    callbacks set on the user's model stops it too; and where ``slower()`` says so at an
+    epoch's end, it stops there without ending the run (Keras' fit goes on)."""
     import keras
 
     def stop(model):
@@ -352,10 +370,10 @@ def summary(n: int, record: dict) -> str:
         return (f"tfspeed.run: fit {n}: epochs 2 on ran on Keras' own fit too: "
                 f"{record['keras_rest']}; epoch seconds {_seconds(keras_epochs)}")
     if "handed_back" in record:
-        last = len(keras_epochs) + len(engine_epochs)
-        rest = f"epochs 3-{last}" if last > 3 else "epoch 3"
-        return (f"tfspeed.run: fit {n}: epoch 1 on Keras' fit as written, epoch 2 on "
-                f"tfspeed's engine, {rest} ran on Keras' fit as written: "
+        on, last = 1 + len(engine_epochs), len(keras_epochs) + len(engine_epochs)
+        return (f"tfspeed.run: fit {n}: epoch 1 on Keras' fit as written, "
+                f"{_span(2, on)} on tfspeed's engine, {_span(on + 1, last)} ran on Keras' "
+                "fit as written: "
                 f"{record['handed_back']}; epoch seconds {_seconds(keras_epochs[:1])} as "
                 f"written, {_seconds(engine_epochs)} on tfspeed, "
                 f"{_seconds(keras_epochs[1:])} as written")
@@ -382,6 +400,10 @@ def summary(n: int, record: dict) -> str:
             f"{engine.get('xla', '?')}, precision {engine.get('precision', '?')} (the model's)"
             + (f"; kept on the engine: {record['engine_check']}" if "engine_check" in record
                else ""))
+
+
+def _span(first: int, last: int) -> str:
+    return f"epochs {first}-{last}" if last > first else f"epoch {first}"
 
 
 def _rate(epoch: dict, warm: bool) -> float | None:
