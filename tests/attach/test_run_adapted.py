@@ -39,6 +39,15 @@ print("SCRIPT " + json.dumps({
     "keys": sorted(history.history), "epoch": history.epoch, "evaluate": accuracy,
     "val_accuracy": history.history["val_accuracy"], "same_model": history.model is model,
     "iterations": int(model.optimizer.iterations)}))
+
+
+class StopAfter(keras.callbacks.Callback):  # on the user's model: the engine's model stops
+    def on_epoch_end(self, epoch, logs=None):
+        self.model.stop_training = epoch == 2
+
+
+stopped = model.fit(train, validation_data=val, epochs=6, callbacks=[StopAfter()], verbose=0)
+print(f"STOPPED {stopped.epoch}")
 '''
 
 TEXT = '''
@@ -92,7 +101,8 @@ def test_uint8_images_train_the_users_model_and_its_evaluate_gives_the_reported_
     done = tfspeed("run", "--min_engine_seconds=0", "--min_engine_speedup=0", "uint8.py",
                    cwd=root, cache=root / "cache-u")
     figures = script_figures(done)
-    (line,) = fit_lines(done)
+    line = fit_lines(done)[0]
+    assert "STOPPED [0, 1, 2]" in done.stdout
     assert "uint8 images, scaled inside the returned model" in line, line
     assert "on tfspeed's engine" in line, line
     # The user's own model holds the trained weights: its evaluate on the float pipeline
@@ -119,7 +129,8 @@ def test_an_engine_slower_than_keras_hands_the_remaining_epochs_back_to_keras(ro
     done = tfspeed("run", "--min_engine_seconds=0", "--min_engine_speedup=1000", "uint8.py",
                    cwd=root, cache=root / f"cache-s-{backend}", backend=backend)
     figures = script_figures(done)
-    (line,) = fit_lines(done)
+    line = fit_lines(done)[0]
+    assert "STOPPED [0, 1, 2]" in done.stdout  # a script's stop honoured on either side
     # Judged at the engine's first epoch, or its second where the first was all compiles.
     assert re.search(r"on tfspeed's engine, epochs? [34].* ran on Keras' fit as written: "
                      r"the engine's epoch [23] \d+ examples/s", line), line
