@@ -5,8 +5,11 @@ step on tfspeed's engine.
 The script runs as ``__main__`` with its own arguments, its callbacks, history, evaluate,
 predict and saving as they were. Each ``fit`` runs its first epoch on Keras' fit as written
 (the figure "before") and the rest on tfspeed's engine (steps per call and XLA as the driver
-chooses them; the model keeps its own precision), then prints one line: examples/s as
-written against on tfspeed, and each epoch's seconds. A fit the engine cannot take (arrays, a
+chooses them; the model keeps its own precision), on the datasets ``tfspeed.optimize`` gives
+with the model (uint8 images scaled inside a model around the script's, text batched by
+length on its layers: the script's model trains). Where the engine's first epoch measures
+slower than Keras' epoch 1, the epochs left go back to Keras' fit as written. One line per
+fit: examples/s as written against on tfspeed, and each epoch's seconds. A fit the engine cannot take (arrays, a
 PyDataset, class or sample weights, a metric that is not a mean per example, ...) runs on
 Keras' fit, and its line says why.
 """
