@@ -85,10 +85,18 @@ print("SCRIPT " + json.dumps({"epoch": history.epoch, "evaluate": accuracy,
 '''
 
 
+# Its validation data made otherwise: floats from the start, no uint8 to send.
+MIXED = UINT8.replace(
+    "val = tf.data.Dataset.from_tensor_slices((images[256:352], labels[256:352])).batch(32)"
+    ".map(scale)", "val = tf.data.Dataset.from_tensor_slices(((images[256:352] / 255.0)"
+    ".astype('float32'), labels[256:352])).batch(32)")
+
+
 @pytest.fixture(scope="module")
 def root(tmp_path_factory):
     folder = tmp_path_factory.mktemp("adapted")
     (folder / "uint8.py").write_text(UINT8)
+    (folder / "mixed.py").write_text(MIXED)
     (folder / "text.py").write_text(TEXT)
     return folder
 
@@ -111,6 +119,18 @@ def test_uint8_images_train_the_users_model_and_its_evaluate_gives_the_reported_
     assert figures["epoch"] == [0, 1, 2, 3] and figures["same_model"] is True
     assert figures["iterations"] == 4 * 8
     assert figures["keys"] == ["accuracy", "loss", "val_accuracy", "val_loss"]
+
+
+def test_validation_data_the_adapted_model_cannot_take_keeps_the_model_as_given(root):
+    assert MIXED != UINT8
+    done = tfspeed("run", "--min_engine_seconds=0", "--min_engine_speedup=0", "mixed.py",
+                   cwd=root, cache=root / "cache-m")
+    figures = script_figures(done)
+    line = fit_lines(done)[0]
+    assert "validation_data is not rewritten as x was" in line, line
+    assert "uint8 images, scaled inside" not in line, line
+    assert figures["evaluate"] == pytest.approx(figures["val_accuracy"][-1], abs=1e-6)
+    assert figures["epoch"] == [0, 1, 2, 3]
 
 
 def test_a_padded_text_script_is_batched_by_length_or_says_why_not(root):

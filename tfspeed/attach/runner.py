@@ -100,12 +100,13 @@ def _optimized_with_model(model, args: dict, record: dict):
 
     x, adapted = optimize(args["x"], model)
     val = args.get("validation_data")
-    _note(x, "x", record)
     if adapted is model or val is None or _same_inputs(x, val):
+        _note(x, "x", record)
         args["x"], args["validation_data"] = x, _optimized(val, "validation_data", record)
         return adapted
     val_out, _ = optimize(val, model)
     if _same_inputs(x, val_out):
+        _note(x, "x", record)
         _note(val_out, "validation_data", record)
         args["x"], args["validation_data"] = x, val_out
         return adapted
