@@ -77,7 +77,23 @@ def run() -> dict:
         "updates": int(logs[-1]["updates"]), "micro_steps": int(acc.micro_steps),
         "nonfinite_step": int(step), "nonfinite_loss_finite": bool(np.isfinite(float(loss))),
         "evaluate": big.evaluate(_batches(runtime, _data(40), 16)),
+        **(_cpu_program(acc, runtime) if runtime.backend == "jax" else {}),
     }
+
+
+def _cpu_program(engine, runtime) -> dict:
+    """The JAX engine's training program on the CPU, as ``train`` calls it (one batch):
+    XLA:CPU ran a loop's convolutions as generic loops (6-10x slower steps), so steps run
+    one dispatch each there, with no loop in the program."""
+    import jax
+
+    batch = next(iter(_batches(runtime, _data(), 8)))
+    sums = [np.zeros([len(engine.metric_names) + 2], np.float32), np.zeros([3], np.int32)]
+    lowered = engine._run.lower(engine._state, engine._placement.batches([batch]),
+                                np.int32(1), *sums, np.float32(1))
+    return {"platform": jax.devices()[0].platform,
+            "while_loops": lowered.compile().as_text().count(" while("),
+            "programs": engine.compiled_functions}
 
 
 if __name__ == "__main__":

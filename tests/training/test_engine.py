@@ -438,6 +438,15 @@ def test_each_backend_accumulates_exactly_and_records_the_first_nonfinite_loss(b
     assert checks["nonfinite_step"] == 3 and not checks["nonfinite_loss_finite"]
 
 
+def test_jax_steps_on_the_cpu_run_one_loopless_program():
+    """Steps per call on the CPU: one program for 12 micro-steps in calls of 3, with no
+    device loop in it (XLA:CPU ran a loop body's convolutions 6-10x slower)."""
+    checks = _checks("jax")
+    assert checks["platform"] == "cpu"
+    assert checks["while_loops"] == 0
+    assert checks["programs"] == 1
+
+
 def test_backends_train_and_evaluate_alike():
     """One step written once: both backends' engines give the same evaluation after the
     same training (float32, same data order)."""

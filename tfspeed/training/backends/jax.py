@@ -9,11 +9,16 @@ state, and a NaN/Inf loss is recorded on the device without a sync.
 
 What is JAX's own:
 
-* **One program per call.** ``train(iterator, n)`` stacks n host batches of one shape and
-  runs the n micro-steps inside one jitted ``lax.fori_loop`` (Keras 3.15's own
+* **One program per call, on accelerators.** ``train(iterator, n)`` stacks n host batches of
+  one shape and runs the n micro-steps inside one jitted ``lax.fori_loop`` (Keras 3.15's own
   ``steps_per_execution`` on JAX does not lift the per-step ceiling, keras#23527); batches of
   differing shapes (buckets) run one dispatch each. The loop bound is a traced value, so a
-  short last call reuses the compiled program.
+  short last call reuses the compiled program. **On the CPU, one program per micro-step**,
+  dispatched n times with no loop in it: XLA:CPU (jax 0.10) leaves the convolutions of a
+  loop's body in forms it runs as generic loops (the weight gradients' ``f01b_i01o->01bf``
+  instead of ``b01f_01io->b01f``), which made a small CNN's step 6-10x slower (55-86 ms
+  against 8-9 ms; Keras' own fit dispatches one step at a time too). Dispatch is
+  asynchronous, so the host prepares the next step while this one runs.
 * **Input ahead of the step.** JAX dispatches asynchronously: while the device runs one call,
   the host reads and places the next call's batches. The tf.data iterator is advanced only
   by the batches a dispatched call consumes, so a checkpoint's input position is exact.
@@ -73,6 +78,8 @@ class JaxEngine:
         if not optimizer.built:
             optimizer.build(model.trainable_variables)
         self._placement = _Placement(devices)
+        # Steps in a device loop, or one dispatch each (CPU: see the module docstring).
+        self._loop_on_device = self._placement.devices[0].platform != "cpu"
         self._state = self._placement.replicate(self._initial_state())
         self._signatures: set = set()  # (batch shape, slots) programs compiled so far
         self._last_shape = None
@@ -136,14 +143,14 @@ class JaxEngine:
         if not steps:  # a call of no steps (the tuner times the call overhead)
             return self._outputs(self._state, totals, tokens, np.float32(0), np.float64(0))
         groups = _same_shapes(batches)
-        # One shape (images, tables, packed or padded-to-fixed rows): the whole call in one
-        # program of `_slots` micro-steps (a power of two, or one compiled already: calls of
-        # other lengths reuse it; its unused slots are not run). Measured 2x the steps/s of one dispatch
-        # per step for a small CNN on 2 cores (not benchmarked). Several shapes (buckets):
-        # one program per batch, one compile per bucket. Everything a call reports is
-        # computed inside them: an eager JAX op per call cost more than a small step.
+        # One shape (images, tables, packed or padded-to-fixed rows), on an accelerator: the
+        # whole call in one program of `_slots` micro-steps (a power of two, or one compiled
+        # already: calls of other lengths reuse it; its unused slots are not run). Several
+        # shapes (buckets), or the CPU: one program per batch, one compile per shape.
+        # Everything a call reports is computed inside them: an eager JAX op per call cost
+        # more than a small step.
         runs = ([(groups[0], self._slots(steps, _shape_key(groups[0][0])))]
-                if len(groups) == 1 else [([b], 1) for b in batches])
+                if len(groups) == 1 and self._loop_on_device else [([b], 1) for b in batches])
         for group, slots in runs:
             self._last_shape = _shape_key(group[0])
             self._signatures.add((self._last_shape, slots))
@@ -157,29 +164,40 @@ class JaxEngine:
 
     def _train_in_step(self, source, steps: int) -> dict:
         """``steps`` micro-steps on batches gathered inside the program from ``source``
-        (``ingraph_jax.InStepArrays``): one program whatever ``steps`` is."""
+        (``ingraph_jax.InStepArrays``): one program whatever ``steps`` is (run once per
+        micro-step on the CPU)."""
         run = self._in_step_runs.get(id(source))
         if run is None:
             run = self._in_step_runs[id(source)] = jax.jit(
-                lambda state, arrays, n, steps: self._run_source(source, state, arrays, n,
-                                                                 steps), donate_argnums=0)
+                lambda state, arrays, n, totals, tokens, steps: self._run_source(
+                    source, state, arrays, n, totals, tokens, steps), donate_argnums=0)
             self._signatures.add(("in-step", id(source)))
         self._last_shape = ("in-step", id(source))
-        self._state, out = run(self._state, source.arrays, np.int32(steps), np.float32(steps))
+        totals = np.zeros([len(self._metrics) + 2], np.float32)
+        tokens = np.zeros([3], np.int32)
+        if not steps:  # a call of no steps (the tuner times the call overhead)
+            return self._outputs(self._state, totals, tokens, np.float32(0), np.float64(0))
+        for n in [steps] if self._loop_on_device else [1] * steps:
+            totals, tokens = self._placement.replicate((totals, tokens))
+            self._state, totals, tokens, out = run(self._state, source.arrays, np.int32(n),
+                                                   totals, tokens, np.float32(steps))
         return {**out, "input_wait_s": np.float64(0.0)}
 
-    def _run_source(self, source, state, arrays, n, steps):
-        totals = jnp.zeros([len(self._metrics) + 2], jnp.float32)
-        tokens = jnp.zeros([3], jnp.int32)
-
+    def _run_source(self, source, state, arrays, n, totals, tokens, steps):
         def body(_, carry):
             state, totals, tokens = carry
             x, y = source.batch(arrays, state["micro_steps"])
             state, metrics, counts = self._micro_step(state, x, y)
             return state, totals + metrics, tokens + counts
 
-        state, totals, tokens = jax.lax.fori_loop(0, n, body, (state, totals, tokens))
-        return state, self._outputs(state, totals, tokens, steps)
+        state, totals, tokens = self._loop(n, body, (state, totals, tokens))
+        return state, totals, tokens, self._outputs(state, totals, tokens, steps)
+
+    def _loop(self, n, body, carry):
+        """``n`` runs of ``body`` in a device loop; on the CPU one run, no loop (n is 1)."""
+        if self._loop_on_device:
+            return jax.lax.fori_loop(0, n, body, carry)
+        return body(0, carry)
 
     def is_warm(self, steps: int) -> bool:
         """Whether a call of ``steps`` on batches like the last ones runs a program already
@@ -191,6 +209,8 @@ class JaxEngine:
     def _slots(self, steps: int, shape) -> int:
         """Slots of the program for a call of ``steps`` on batches of ``shape``: the smallest
         compiled one that holds them, else the next power of two (a new compile)."""
+        if not self._loop_on_device:
+            return 1
         compiled = [slots for key, slots in self._signatures if key == shape and slots >= steps]
         return min(compiled) if compiled else 1 << max(steps - 1, 0).bit_length()
 
@@ -344,7 +364,7 @@ class JaxEngine:
             state, metrics, counts = self._micro_step(state, x, y)
             return state, totals + metrics, tokens + counts
 
-        state, totals, tokens = jax.lax.fori_loop(0, n, body, (state, totals, tokens))
+        state, totals, tokens = self._loop(n, body, (state, totals, tokens))
         return state, totals, tokens, self._outputs(state, totals, tokens, steps)
 
     def _eval_sums(self, state, x, y):
