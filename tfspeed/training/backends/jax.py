@@ -16,9 +16,9 @@ What is JAX's own:
   short last call reuses the compiled program. **On the CPU, one program per micro-step**,
   dispatched n times with no loop in it: XLA:CPU (jax 0.10) leaves the convolutions of a
   loop's body in forms it runs as generic loops (the weight gradients' ``f01b_i01o->01bf``
-  instead of ``b01f_01io->b01f``), which made a small CNN's step 6-10x slower (55-86 ms
-  against 8-9 ms; Keras' own fit dispatches one step at a time too). Dispatch is
-  asynchronous, so the host prepares the next step while this one runs.
+  instead of ``b01f_01io->b01f``; jax#12868, open), which made a small CNN's step 6-10x
+  slower (55-86 ms against 8-9 ms; Keras' own fit dispatches one step at a time too).
+  Dispatch is asynchronous, so the host prepares the next step while this one runs.
 * **Input ahead of the step.** JAX dispatches asynchronously: while the device runs one call,
   the host reads and places the next call's batches. The tf.data iterator is advanced only
   by the batches a dispatched call consumes, so a checkpoint's input position is exact.
