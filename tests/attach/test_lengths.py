@@ -191,3 +191,19 @@ def test_the_padding_is_reported_without_a_model_and_padding_at_the_start_is_ref
     out, _ = optimize(pre, masked_gru(), cache_dir=str(tmp_path), quiet=True)
     assert any("padded at the start" in u for u in out.tfspeed_report.unchanged)
     assert out.element_spec == pre.element_spec
+
+
+def test_without_a_model_optimize_computes_none_of_the_text_pipeline(tmp_path):
+    # A map that fails whenever an element is computed: optimize(ds) alone must only read
+    # the pipeline (the padding line comes from its spec), not sample batches of it.
+    ids = np.zeros((64, 32), np.int64)
+    ids[:, :5] = 7
+
+    def poisoned(x, y):
+        with tf.control_dependencies([tf.debugging.Assert(tf.constant(False), ["computed"])]):
+            return tf.identity(x), y
+
+    ds = tf.data.Dataset.from_tensor_slices((ids, np.zeros(64, np.int64))).batch(8)
+    out = optimize(ds.map(poisoned), cache_dir=str(tmp_path), quiet=True)
+    assert any("padded to 32" in u and "give the model" in u
+               for u in out.tfspeed_report.unchanged)

@@ -147,6 +147,9 @@ def by_length(dataset, source, model, report, probe_seconds: float):
         return dataset, model
     if isinstance(tokens, str):
         return _refused(dataset, model, report, tokens)
+    if model is None:  # said from the spec alone: a sample costs batches of the user's work
+        return _refused(dataset, model, report, f"padded to {tokens.length}: give the model, "
+                        "`ds, model = tfspeed.optimize(ds, model)`, to batch it by length")
     sample = _sample(source)
     if not sample:
         return dataset, model
@@ -159,9 +162,6 @@ def by_length(dataset, source, model, report, probe_seconds: float):
         return _refused(dataset, model, report, why)
     padded = (f"padded to {tokens.length} (mean text {lengths.mean():.0f} tokens, "
               f"{1 - lengths.mean() / tokens.length:.0%} padding)")
-    if model is None:
-        return _refused(dataset, model, report, f"{padded}: give the model, "
-                        "`ds, model = tfspeed.optimize(ds, model)`, to batch it by length")
     accepting = checked(model, sample, tokens)
     if isinstance(accepting, str):
         return _refused(dataset, model, report, accepting)
