@@ -59,8 +59,16 @@ def same(a, b):
 
 
 def children() -> list:
-    return [c for c in psutil.Process().children(recursive=True) if c.is_running()
-            and c.status() != psutil.STATUS_ZOMBIE]
+    """This process's live worker processes (other tests in the same pytest worker may have
+    left processes of their own, such as servers, running beside it)."""
+    found = []
+    for c in psutil.Process().children(recursive=True):
+        try:
+            if c.status() != psutil.STATUS_ZOMBIE and pool._CHILD in c.cmdline():
+                found.append(c)
+        except psutil.NoSuchProcess:
+            pass
+    return found
 
 
 def wait_for_no_children(seconds: float) -> list:

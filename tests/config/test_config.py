@@ -105,7 +105,7 @@ def _precision_rule(report) -> str:
     margin: what must agree is that each run took the policy its own figures chose."""
     import re
 
-    from tfspeed.probes.autotune import AUTO_MARGIN
+    from tfspeed.probes.costs import AUTO_MARGIN
 
     precision = report["runtime"]["precision"]
     reason = report["runtime"]["reasons"]["precision"]

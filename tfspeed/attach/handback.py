@@ -54,14 +54,12 @@ def judge(record: dict, min_speedup: float, epochs_left: int):
     Returns:
       The function, of no arguments.
     """
-    from tfspeed.attach import step
-
     def slower() -> bool:
         clocks = record["epochs"]
         done = len(clocks["engine"])
         if "engine_check" in record or epochs_left - (done - 1) < 1 or not clocks["keras"]:
             return False
-        keras_rate = step._rate(clocks["keras"][0], warm=False)
+        keras_rate = epoch_rate(clocks["keras"][0], warm=False)
         engine_rate, how = settled_rate(clocks["engine"][-1], first=done == 1)
         if not keras_rate or not engine_rate:
             return False  # judged at the next epoch's end
@@ -78,3 +76,16 @@ def judge(record: dict, min_speedup: float, epochs_left: int):
         return True
 
     return slower
+
+
+def epoch_rate(epoch: dict, warm: bool) -> float | None:
+    """An epoch's training batches per second, to its last call's end (its validation
+    left out): from its start where ``warm`` (nothing compiles), else past its first call."""
+    calls = epoch["calls"]
+    if not calls:
+        return None
+    last, end = calls[-1]
+    if warm:
+        return (last + 1) / (end - epoch["begin"])
+    first, start = calls[0]
+    return (last - first) / (end - start) if last > first and end > start else None

@@ -22,6 +22,8 @@ import shutil
 import tempfile
 import time
 
+from tfspeed.attach import handback
+
 # fit's arguments the engine takes as Keras does; any other given runs on Keras' fit.
 TAKEN = {"x", "y", "validation_data", "epochs", "callbacks", "verbose", "shuffle",
          "batch_size", "initial_epoch", "validation_freq"}
@@ -216,7 +218,6 @@ def _rest_on_engine(model, fit, args, epochs: int, inner, record, min_speedup: f
     (a ``UsageError``), on Keras' fit as written, the reason in ``record["keras_rest"]``;
     where its first epoch ran slower than Keras' (``handback``), the epochs after it on
     Keras' fit as written, the reason in ``record["handed_back"]``."""
-    from tfspeed.attach import handback
     from tfspeed.errors import UsageError
 
     clock = record["epochs"]["engine"]
@@ -377,10 +378,10 @@ def summary(n: int, record: dict) -> str:
                 f"{record['handed_back']}; epoch seconds {_seconds(keras_epochs[:1])} as "
                 f"written, {_seconds(engine_epochs)} on tfspeed, "
                 f"{_seconds(keras_epochs[1:])} as written")
-    before = _rate(keras_epochs[0], warm=False) if keras_epochs else None
-    later = [r for r in (_rate(e, warm=True) for e in engine_epochs[1:]) if r]
+    before = handback.epoch_rate(keras_epochs[0], warm=False) if keras_epochs else None
+    later = [r for r in (handback.epoch_rate(e, warm=True) for e in engine_epochs[1:]) if r]
     after = statistics.median(later) if later else (
-        _rate(engine_epochs[0], warm=False) if engine_epochs else None)
+        handback.epoch_rate(engine_epochs[0], warm=False) if engine_epochs else None)
     batch = record["batch"]
     last = len(engine_epochs) + 1  # the script's numbering: epoch 1 ran on Keras
     which = (f"epoch{'s 3-' if last > 3 else ' '}{last} on tfspeed's engine"
@@ -404,19 +405,6 @@ def summary(n: int, record: dict) -> str:
 
 def _span(first: int, last: int) -> str:
     return f"epochs {first}-{last}" if last > first else f"epoch {first}"
-
-
-def _rate(epoch: dict, warm: bool) -> float | None:
-    """An epoch's training batches per second, to its last call's end (its validation
-    left out): from its start where ``warm`` (nothing compiles), else past its first call."""
-    calls = epoch["calls"]
-    if not calls:
-        return None
-    last, end = calls[-1]
-    if warm:
-        return (last + 1) / (end - epoch["begin"])
-    first, start = calls[0]
-    return (last - first) / (end - start) if last > first and end > start else None
 
 
 def _seconds(epochs: list) -> str:
