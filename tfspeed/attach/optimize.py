@@ -17,7 +17,6 @@ import dataclasses
 import os
 import shutil
 import sys
-import time
 
 from tfspeed.attach.store import PROBE_LEAST, PROBE_SHARE_OF_EPOCH, PROBE_UNKNOWN
 from tfspeed.errors import UsageError
@@ -305,12 +304,7 @@ def _available_memory() -> float:
 def _rate(dataset, seconds: float, most: int) -> tuple[float, int]:
     """Elements/s of one pass's start, after its first element (the warm-up), over at most
     ``most`` elements or ``seconds``; and how many elements were timed."""
-    it = iter(dataset)
-    if next(it, None) is None:
-        return 0.0, 0
-    n, start = 0, time.perf_counter()
-    for _ in it:
-        n += 1
-        if n >= most or time.perf_counter() - start >= seconds:
-            break
-    return n / max(time.perf_counter() - start, 1e-9), n
+    from tfspeed.attach.store import timed_pass
+
+    rate, n, _ = timed_pass(dataset, seconds, most)
+    return rate, n

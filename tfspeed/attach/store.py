@@ -218,3 +218,35 @@ def _remove_partial(prefix: str) -> None:
 
 def sanitize(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "_", text)
+
+
+def timed_pass(dataset, seconds: float, most: int, keep: int = 0) -> tuple[float, int, list]:
+    """Elements/s of one pass's start, after its first element (the warm-up), over at most
+    ``most`` elements or ``seconds``: the one timing optimize and its worker probe share.
+
+    Returns:
+      The rate, how many elements were timed, and the first ``keep`` elements as lists of
+      NumPy arrays (to compare two contenders' elements).
+    """
+    import time
+
+    import numpy as np
+    import tensorflow as tf
+
+    def kept_form(element):
+        return [np.asarray(t) for t in tf.nest.flatten(element)]
+
+    it, kept = iter(dataset), []
+    first = next(it, None)
+    if first is None:
+        return 0.0, 0, kept
+    if keep:
+        kept.append(kept_form(first))
+    n, start = 0, time.perf_counter()
+    for element in it:
+        n += 1
+        if len(kept) < keep:
+            kept.append(kept_form(element))
+        if n >= most or time.perf_counter() - start >= seconds:
+            break
+    return n / max(time.perf_counter() - start, 1e-9), n, kept

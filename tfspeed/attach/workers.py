@@ -19,7 +19,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import time
 
 from tfspeed.attach.pool import AHEAD, Pool, Workers, cores, describe, one_line
 
@@ -283,22 +282,10 @@ def _time(dataset, out, seconds: float) -> dict:
 def _probe(dataset, seconds: float, most: int) -> tuple[float, list]:
     """Elements/s of one pass's start after its first element (the warm-up), and its first
     elements (at most 64, to compare)."""
-    import numpy as np
-    import tensorflow as tf
+    from tfspeed.attach.store import timed_pass
 
-    it, kept = iter(dataset), []
-    first = next(it, None)
-    if first is None:
-        return 0.0, kept
-    kept.append([np.asarray(t) for t in tf.nest.flatten(first)])
-    n, start = 0, time.perf_counter()
-    for element in it:
-        n += 1
-        if len(kept) < 64:
-            kept.append([np.asarray(t) for t in tf.nest.flatten(element)])
-        if n >= most or time.perf_counter() - start >= seconds:
-            break
-    return n / max(time.perf_counter() - start, 1e-9), kept
+    rate, _, kept = timed_pass(dataset, seconds, most, keep=64)
+    return rate, kept
 
 
 def _equal(a: list, b: list) -> bool:
