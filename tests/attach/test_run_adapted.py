@@ -152,7 +152,7 @@ def test_an_engine_slower_than_keras_hands_the_remaining_epochs_back_to_keras(ro
     line = fit_lines(done)[0]
     assert "STOPPED [0, 1, 2]" in done.stdout  # a script's stop honoured on either side
     # Judged at the engine's first epoch, or its second where the first was all compiles.
-    assert re.search(r"on tfspeed's engine, epochs? [34].* ran on Keras' fit as written: "
+    assert re.search(r"on tfspeed's engine, epochs? [34].* back on Keras' fit: "
                      r"the engine's epoch [23] \d+ examples/s", line), line
     # One History over the 4 epochs: 1 on Keras, then the engine, then Keras again, the
     # optimizer's updates counted on, the model's evaluate the last epoch's accuracy.

@@ -189,7 +189,7 @@ def test_the_tutorial_script_runs_unchanged_and_replays_its_store_on_the_next_ru
     assert first.returncode == 0, first.stderr[-2000:]
     # The script's own figures: history keys, callbacks, evaluate, predict and a stock reload.
     assert "SCRIPT epochs=3 begins=3 predictions=8 reloaded=True" in first.stdout
-    assert "examples/s as written (epoch 1 on Keras' fit" in first.stdout
+    assert "examples/s on Keras (epoch 1 on Keras' fit (storing the optimised data" in first.stdout
     assert "on tfspeed's engine" in first.stdout and "x: storing the deterministic part" in first.stdout
     second = tfspeed("run", *args, cwd=root, cache=root / "cache")
     assert second.returncode == 0, second.stderr[-2000:]
@@ -198,6 +198,41 @@ def test_the_tutorial_script_runs_unchanged_and_replays_its_store_on_the_next_ru
     # engine's setup and compile would cost more than they save.
     assert "too short to repay the engine's setup and compile" in second.stdout
     assert "x: replaying the stored" in second.stdout or "kept in RAM" in second.stdout
+
+
+# The tutorial with its photos moved away once epoch 1 has read them: as written, epoch 2
+# cannot find them; every epoch that reads what tfspeed.optimize stored does not need them.
+MOVED = TUTORIAL.replace("callbacks=[Begins()]", "callbacks=[Begins(), MoveAway()]").replace(
+    "history = model.fit(", """import os
+
+
+class MoveAway(keras.callbacks.Callback):  # and back when fit ends, for evaluate and predict
+    def on_epoch_end(self, epoch, logs=None):
+        if epoch == 0:
+            os.rename(args.data, args.data + "-away")
+
+    def on_train_end(self, logs=None):
+        os.rename(args.data + "-away", args.data)
+        print("MOVED BACK")
+
+
+history = model.fit(""", 1)
+
+
+def test_a_short_fit_stays_on_keras_and_every_epoch_reads_the_optimised_data(scripts):
+    """The default (no flags): a fit whose later epochs are a few seconds stays on Keras'
+    fit, one run of it, and those epochs read the store epoch 1 wrote, not the files."""
+    root, _ = scripts
+    assert MOVED != TUTORIAL
+    (root / "moved.py").write_text(MOVED)
+    photos = write_photos(root / "photos-moved", classes=2, per_class=16)
+    done = tfspeed("run", "moved.py", f"--data={photos}", f"--out={root / 'moved.keras'}",
+                   cwd=root, cache=root / "cache-moved")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "MOVED BACK" in done.stdout and "SCRIPT epochs=3 begins=3 predictions=8" in done.stdout
+    (line,) = [line for line in done.stdout.splitlines() if line.startswith("tfspeed.run")]
+    assert "epoch 1 on Keras' fit (storing the optimised data as it reads it); epochs 2 on " \
+        "stayed on Keras' fit: the 2 epochs left would take" in line, line
 
 
 @pytest.mark.parametrize("backend", ["tensorflow", "jax"])

@@ -5,6 +5,7 @@ accuracy, and what JAX does not run is one line."""
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 
@@ -65,8 +66,13 @@ def test_the_text_job_reaches_the_tensorflow_backends_accuracy(short_texts, tmp_
     assert len(report["input"]["batching"]["boundaries"]) < len(
         reference["input"]["batching"]["boundaries"])
     assert report["eval_accuracy"] > 0.5 and report["real_tokens_per_sec"] is not None
-    assert abs(report["eval_accuracy"] - reference["eval_accuracy"]) < 0.08, (
-        report["eval_accuracy"], reference["eval_accuracy"])
+    # Two differently initialised runs, each scored on the same 130 held-out texts: the
+    # gap may be three standard errors of a difference of two proportions, not more (0.08
+    # was 2.1 of them, and failed once in CI at 0.085: 0.846 against 0.931).
+    held_out = json.loads((Path(short_texts) / "schema.json").read_text())
+    n = held_out["splits"]["validation"]["num_records"]
+    a, b = report["eval_accuracy"], reference["eval_accuracy"]
+    assert abs(a - b) < 3 * np.sqrt((a * (1 - a) + b * (1 - b)) / n), (a, b, n)
     # An evaluation after the first pass too, on both backends (the call is cut there).
     for run in (report, reference):
         history = run["eval_history"]

@@ -7,7 +7,7 @@ import os
 import statistics
 import time
 
-from tfspeed.attach import script
+from tfspeed.attach import script, step
 
 
 def diagnose_script(path: str, argv: list[str], out_dir: str = "tfspeed_diagnose",
@@ -40,8 +40,8 @@ def diagnose_script(path: str, argv: list[str], out_dir: str = "tfspeed_diagnose
 def run_script(path: str, argv: list[str], min_engine_seconds: float | None = None,
                min_engine_speedup: float | None = None) -> list[dict]:
     """Runs the script to its end, each ``fit``'s datasets given to ``tfspeed.optimize`` and
-    its step to tfspeed's engine after a first epoch as written (``attach.step``); a ``fit``
-    the engine cannot take runs on Keras' own, with the reason. Prints one line per ``fit``.
+    its step to tfspeed's engine after a first epoch on Keras' own (``attach.step``); a
+    ``fit`` the engine cannot take runs on Keras' own throughout, with the reason. Prints one line per ``fit``.
 
     Args:
       path, argv: the script and its arguments.
@@ -53,7 +53,6 @@ def run_script(path: str, argv: list[str], min_engine_seconds: float | None = No
     Returns:
       Per ``fit`` call: what was optimised, where the step ran and the epochs' clocks.
     """
-    from tfspeed.attach import step
 
     fits: list[dict] = []
     limits = {"seconds": step.MIN_ENGINE_SECONDS if min_engine_seconds is None
@@ -178,8 +177,7 @@ def _summary(n: int, record: dict) -> str:
         return (f"tfspeed.run: fit {n}: {len(times)} epoch ({sum(times):.1f} s); one epoch "
                 "shows no replay: " + "; ".join(record["changed"]))
     later = statistics.median(times[1:])
-    first = {"writing": "as written while storing", "complete": "replaying an earlier run's "
-             "store"}.get(record.get("state", ""), "as written")
-    return (f"tfspeed.run: fit {n}: epoch 1 {times[0]:.1f} s ({first}; it also compiles the "
+    return (f"tfspeed.run: fit {n}: epoch 1 {times[0]:.1f} s ({step.first_epoch(record)}; "
+            "it also compiles the "
             f"step), later epochs {later:.1f} s median ({times[0] / later:.1f}x); "
             + "; ".join(record["changed"]))

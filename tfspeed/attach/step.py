@@ -1,8 +1,9 @@
 """A script's ``fit``, its step on tfspeed's engine (``python -m tfspeed.run``).
 
-The first epoch runs on Keras' own ``fit`` as the script wrote it: it is the figure "before",
-measured in this run. The later epochs continue on ``tfspeed.fit`` from the same weights and
-optimizer state (the same optimizer object and variables: on TensorFlow its variables, on
+The first epoch runs on Keras' own ``fit``, on the datasets ``tfspeed.optimize`` returned (a
+first run stores them while it trains, a later one replays the store): it is the pace the
+engine must beat, measured in this run. Every epoch reads the optimised data, whichever step
+runs it. The later epochs continue on ``tfspeed.fit`` from the same weights and optimizer state (the same optimizer object and variables: on TensorFlow its variables, on
 JAX the values the engine copies in and writes back), with the model's own loss, metrics and
 optimizer, steps per call and XLA as the driver resolves them. A built model keeps its own
 precision (``tfspeed.fit``'s rule): the saved model is the one the script built.
@@ -12,8 +13,8 @@ epochs numbered on from the first, ``val_*`` in each epoch's logs, ``on_train_en
 and ``model.stop_training`` honoured. ``fit`` returns a ``keras.callbacks.History`` with the
 keys Keras' would have.
 
-What the engine cannot take (``why_not``) runs on Keras' ``fit`` as written, with one line
-that says why.
+What the engine cannot take (``why_not``) runs on Keras' ``fit``, on the optimised data, with
+one line that says why.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ TAKEN = {"x", "y", "validation_data", "epochs", "callbacks", "verbose", "shuffle
 # Epochs 2 on move to the engine only where Keras' fit would take at least this long for
 # them (estimated from epoch 1): the engine's setup, compile and steps-per-call probes cost
 # about 1.5 s on a tiny CNN on 2 CPU cores (its 4 later epochs took 5.6 s against 4.7 s on
-# Keras as written), more for larger models; a shorter rest cannot repay them.
+# Keras' fit), more for larger models; a shorter rest cannot repay them.
 MIN_ENGINE_SECONDS = 20.0
 # The epochs after the engine's first stay on it only where it ran at least this many times
 # Keras' examples/s (``handback``).
@@ -72,7 +73,7 @@ def why_not(model, args: dict) -> str | None:
         if data is not None and not _pairs(data):
             return f"{name} yields no (inputs, labels) pairs (sample weights, or inputs alone)"
     if args.get("epochs", 1) < 2:
-        return "one epoch: it is the epoch measured as written"
+        return "one epoch: too short to measure Keras' pace against the engine's"
     if getattr(model, "_compile_config", None) is None or model.optimizer is None:
         return "the model is not compiled"
     for method in ("train_step", "compute_loss", "test_step"):
@@ -158,18 +159,18 @@ def _per_example(fn, name: str):
 
 def run_fit(model, fit, args: dict, record: dict,
             min_engine_seconds: float = MIN_ENGINE_SECONDS, min_speedup: float = MIN_SPEEDUP):
-    """Runs one ``fit`` call: epoch 1 on Keras' ``fit`` with the data as written, the rest
-    on ``tfspeed.fit`` with ``args``' datasets (optimised where the runner did so), or,
+    """Runs one ``fit`` call: epoch 1 on Keras' ``fit``, the rest on ``tfspeed.fit``, or,
     where the engine's first epoch measured slower than Keras' (``handback``), the epochs
-    after it on Keras' fit as written.
+    after it on Keras' fit again; every epoch on ``args``' datasets (optimised where the
+    runner did so) and the model that takes them (``engine_model``). Where the epochs
+    left are too short to repay the engine's setup, they stay on the same Keras fit.
 
     Args:
       model: the compiled model (``why_not`` found nothing against it).
       fit: Keras' own ``fit``.
-      args: the call's arguments by name; ``written`` holds its datasets as the script made
-        them (``x``, ``validation_data``), ``goals`` the ``objectives`` and
-        ``engine_model`` the model the engine trains (the user's, or one around its layers
-        that takes the rewritten data: ``optimize(ds, model)``'s).
+      args: the call's arguments by name, its datasets optimised; ``goals`` holds the
+        ``objectives`` and ``engine_model`` the model that trains on them (the user's, or
+        one around its layers that takes the rewritten data: ``optimize(ds, model)``'s).
       min_engine_seconds: the later epochs stay on Keras' fit where it would take less
         (``MIN_ENGINE_SECONDS``).
       min_speedup: the engine keeps the epochs after its first only where it ran at
@@ -192,10 +193,9 @@ def run_fit(model, fit, args: dict, record: dict,
         verbose=verbose, epochs=epochs, steps=steps if steps > 0 else None)
     keras_clock, engine_clock = [], []
     record["epochs"] = {"keras": keras_clock, "engine": engine_clock}
-    written = args["written"]
     record["start"] = time.perf_counter()
-    fit(model, written["x"], validation_data=written.get("validation_data"), epochs=1,
-        verbose=0, callbacks=[_relay(inner, keras_clock, first=True)])
+    fit(args.get("engine_model", model), args["x"], validation_data=args.get("validation_data"),
+        epochs=1, verbose=0, callbacks=[_relay(inner, keras_clock, first=True, user=model)])
     if model.stop_training:  # a callback stopped it after epoch 1: the run ends there
         inner.on_train_end(history.history and {k: v[-1] for k, v in history.history.items()})
     elif (rest := _keras_seconds(keras_clock[0]) * (epochs - 1)) < min_engine_seconds:
@@ -206,7 +206,7 @@ def run_fit(model, fit, args: dict, record: dict,
         _rest_on_keras(model, fit, args, epochs, inner, record)
     elif varying := _varying(args["x"]):
         record["keras_rest"] = varying
-        _rest_on_keras(model, fit, args, epochs, inner, record, rewritten=True)
+        _rest_on_keras(model, fit, args, epochs, inner, record)
     else:
         _rest_on_engine(model, fit, args, epochs, inner, record, min_speedup)
     record["end"] = time.perf_counter()
@@ -215,9 +215,9 @@ def run_fit(model, fit, args: dict, record: dict,
 
 def _rest_on_engine(model, fit, args, epochs: int, inner, record, min_speedup: float) -> None:
     """Epochs 2 on, on the engine; where its job refuses the data or model before any step
-    (a ``UsageError``), on Keras' fit as written, the reason in ``record["keras_rest"]``;
-    where its first epoch ran slower than Keras' (``handback``), the epochs after it on
-    Keras' fit as written, the reason in ``record["handed_back"]``."""
+    (a ``UsageError``), on Keras' fit, the reason in ``record["keras_rest"]``; where its
+    first epoch ran slower than Keras' (``handback``), the epochs after it on Keras' fit,
+    the reason in ``record["handed_back"]``."""
     from tfspeed.errors import UsageError
 
     clock = record["epochs"]["engine"]
@@ -239,14 +239,12 @@ def _rest_on_engine(model, fit, args, epochs: int, inner, record, min_speedup: f
         _rest_on_keras(model, fit, args, epochs, inner, record, 1 + len(clock))
 
 
-def _rest_on_keras(model, fit, args, epochs: int, inner, record, initial: int = 1,
-                   rewritten: bool = False) -> None:
-    """Epochs ``initial + 1`` on, on Keras' fit as written (``rewritten``: the engine's
-    model on the optimised data), numbered on and ending the run."""
-    data = args if rewritten else args["written"]
-    fit(args.get("engine_model", model) if rewritten else model, data["x"],
-        validation_data=data.get("validation_data"), epochs=epochs, initial_epoch=initial,
-        verbose=0, callbacks=[_relay(inner, record["epochs"]["keras"], user=model)])
+def _rest_on_keras(model, fit, args, epochs: int, inner, record, initial: int = 1) -> None:
+    """Epochs ``initial + 1`` on, on Keras' fit as epoch 1 ran (the optimised data, the
+    model that takes it), numbered on and ending the run."""
+    fit(args.get("engine_model", model), args["x"], validation_data=args.get("validation_data"),
+        epochs=epochs, initial_epoch=initial, verbose=0,
+        callbacks=[_relay(inner, record["epochs"]["keras"], user=model)])
 
 
 def _varying(train) -> str:
@@ -258,8 +256,7 @@ def _varying(train) -> str:
     if all(s.rank is not None and None not in s.as_list()[1:] for s in shapes):
         return ""
     return (f"x's batches vary in shape ({', '.join(str(s) for s in shapes)}: text batched "
-            "by length) and the engine takes one shape; Keras' fit trained on the optimised "
-            "data")
+            "by length) and the engine takes one shape")
 
 
 def _keras_seconds(epoch: dict) -> float:
@@ -361,23 +358,22 @@ def _relay(inner, clock: list, first: bool = False, offset: int = 0, user=None,
 
 
 def summary(n: int, record: dict) -> str:
-    """The line of one ``fit`` on the engine: the script's examples/s as written (Keras'
-    epoch 1 past its first step, which compiles) against tfspeed's (its later epochs; its
+    """The line of one ``fit`` on the engine: Keras' examples/s (its epoch 1 past its first
+    step, which compiles, on the optimised data) against tfspeed's (its later epochs; its
     only one past its first call where it ran one), and the epochs' seconds."""
     import statistics
 
     keras_epochs, engine_epochs = record["epochs"]["keras"], record["epochs"]["engine"]
+    first = f"epoch 1 on Keras' fit ({first_epoch(record)})"
     if "keras_rest" in record:
-        return (f"tfspeed.run: fit {n}: epochs 2 on ran on Keras' own fit too: "
+        return (f"tfspeed.run: fit {n}: {first}; epochs 2 on stayed on Keras' fit: "
                 f"{record['keras_rest']}; epoch seconds {_seconds(keras_epochs)}")
     if "handed_back" in record:
         on, last = 1 + len(engine_epochs), len(keras_epochs) + len(engine_epochs)
-        return (f"tfspeed.run: fit {n}: epoch 1 on Keras' fit as written, "
-                f"{_span(2, on)} on tfspeed's engine, {_span(on + 1, last)} ran on Keras' "
-                "fit as written: "
-                f"{record['handed_back']}; epoch seconds {_seconds(keras_epochs[:1])} as "
-                f"written, {_seconds(engine_epochs)} on tfspeed, "
-                f"{_seconds(keras_epochs[1:])} as written")
+        return (f"tfspeed.run: fit {n}: {first}, {_span(2, on)} on tfspeed's engine, "
+                f"{_span(on + 1, last)} back on Keras' fit: {record['handed_back']}; epoch "
+                f"seconds {_seconds(keras_epochs[:1])} on Keras, {_seconds(engine_epochs)} "
+                f"on tfspeed, {_seconds(keras_epochs[1:])} on Keras")
     before = handback.epoch_rate(keras_epochs[0], warm=False) if keras_epochs else None
     later = [r for r in (handback.epoch_rate(e, warm=True) for e in engine_epochs[1:]) if r]
     after = statistics.median(later) if later else (
@@ -388,19 +384,26 @@ def summary(n: int, record: dict) -> str:
              + (", median" if len(later) > 1 else "") if later
              else "epoch 2 on tfspeed's engine past its first call, which compiles")
     if not before or not after:
-        return (f"tfspeed.run: fit {n}: too few steps to time (epoch 1 on Keras as written, "
+        return (f"tfspeed.run: fit {n}: too few steps to time ({first}, "
                 f"{len(engine_epochs)} on tfspeed's engine)")
     engine = record.get("engine", {})
     seconds = [e["end"] - e["begin"] for e in engine_epochs if "end" in e]
-    return (f"tfspeed.run: fit {n}: {before * batch:.0f} examples/s as written (epoch 1 on "
-            f"Keras' fit past its first step) -> {after * batch:.0f} examples/s ({which}): "
-            f"{after / before:.2f}x; epoch seconds {_seconds(keras_epochs)} as written, "
+    return (f"tfspeed.run: fit {n}: {before * batch:.0f} examples/s on Keras ({first} past "
+            f"its first step) -> {after * batch:.0f} examples/s ({which}): "
+            f"{after / before:.2f}x; epoch seconds {_seconds(keras_epochs)} on Keras, "
             + ", ".join(f"{s:.2f}" for s in seconds) + " on tfspeed (validation included; "
             f"the whole fit {record['end'] - record['start']:.1f} s); "
             f"step: {engine.get('steps_per_execution', '?')} steps per call, XLA "
             f"{engine.get('xla', '?')}, precision {engine.get('precision', '?')} (the model's)"
             + (f"; kept on the engine: {record['engine_check']}" if "engine_check" in record
                else ""))
+
+
+def first_epoch(record: dict) -> str:
+    """What Keras' epoch 1 read: the optimised data as this run found its store."""
+    return {"writing": "storing the optimised data as it reads it",
+            "complete": "replaying an earlier run's store"}.get(
+                record.get("state", ""), "the optimised data")
 
 
 def _span(first: int, last: int) -> str:
