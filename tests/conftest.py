@@ -101,6 +101,24 @@ def raw_images_dir(tmp_path_factory) -> str:
     return str(out)
 
 
+# The modules that hold the suite's longest runs (measured with --durations: real tunes,
+# both backends side by side, the text driver's compiles), started first. pytest-xdist hands
+# each worker whole files in collection order; the slowest last (tuning/ sorts last) left
+# one core idle while the other ran them. Longest first shortens that tail.
+LONGEST_FIRST = (
+    "tests/tuning/test_tune_text.py", "tests/training/test_jax_jobs.py",
+    "tests/training/test_text_driver.py", "tests/test_tune.py", "tests/training/test_jax.py",
+    "tests/test_data_service.py", "tests/attach/test_scripts.py",
+    "tests/data/test_text_long.py", "tests/test_multi_worker.py",
+    "tests/diagnosis/test_diagnose_text.py", "tests/faults/test_training_faults.py",
+    "tests/attach/test_run_adapted.py", "tests/test_defaults_tier.py")
+
+
+def pytest_collection_modifyitems(items):
+    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))
+
+
 @pytest.fixture(autouse=True)
 def _float32_policy():
     """Runs set a global Keras precision policy; every test starts from float32."""

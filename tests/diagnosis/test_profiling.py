@@ -72,8 +72,9 @@ def test_profile_steps_write_a_profile_with_step_analysis(digits_dir, tmp_path):
     profile = report["profile"]
     assert profile["steps"] == 8, profile  # xprof found the step markers
     assert 0 < profile["input_wait_pct"] <= 100  # tf.data: the wait for a batch is seen
-    # xprof's verdict, whole ("NOT input-bound" also contains "input-bound").
-    assert re.match(r"Your program is (NOT|MODERATELY|HIGHLY) input-bound because",
+    # xprof's verdict, whole ("NOT input-bound" also contains "input-bound"); POTENTIALLY
+    # is its word where "All Others" time (Python, I/O) is high, as on a loaded host.
+    assert re.match(r"Your program is (NOT|POTENTIALLY|MODERATELY|HIGHLY) input-bound because",
                     profile["conclusion"]), profile["conclusion"]
     assert profile["slowest_input_stages"] and profile["top_ops"]
     assert all(op["type"] != "IDLE" for op in profile["top_ops"])
