@@ -66,14 +66,21 @@ def jobs(root: str) -> dict[str, tuple[str, list[str]]]:
 def run(job: str, backend: str, round_: int) -> dict:
     """One job on one backend in a fresh process; the report's figures."""
     source, extra = jobs(_WORKDIR.value)[job]
-    data_dir = os.path.join(_WORKDIR.value, "data", source)
     model_dir = os.path.join(_WORKDIR.value, "runs", f"{job}-{backend}-{round_}")
+    return train(REPO, source, extra, os.path.join(_WORKDIR.value, "data", source), model_dir,
+                 {"KERAS_BACKEND": backend})
+
+
+def train(repo: str, source: str, extra: list[str], data_dir: str, model_dir: str,
+          env: dict) -> dict:
+    """``python -m tfspeed.train`` of the checkout at ``repo`` in a fresh process and a fresh
+    ``model_dir``; its report's figures and the process's wall seconds."""
     shutil.rmtree(model_dir, ignore_errors=True)
-    env = {**os.environ, "KERAS_BACKEND": backend, "TF_CPP_MIN_LOG_LEVEL": "3"}
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONPATH": repo, **env}
     command = [sys.executable, "-m", "tfspeed.train", *extra, f"--prepare_source={source}",
                f"--data_dir={data_dir}", f"--model_dir={model_dir}"]
     start = time.perf_counter()
-    proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
+    proc = subprocess.run(command, cwd=repo, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - start
     path = os.path.join(model_dir, "report.json")
     if proc.returncode or not os.path.exists(path):
@@ -82,8 +89,9 @@ def run(job: str, backend: str, round_: int) -> dict:
     with open(path) as f:
         report = json.load(f)
     text = "real_tokens_per_sec" in report
+    throughput = report.get("batch_examples_per_sec", report.get("examples_per_sec"))
     return {
-        "throughput": report["real_tokens_per_sec"] if text else report["batch_examples_per_sec"],
+        "throughput": report["real_tokens_per_sec"] if text else throughput,
         "unit": "real tokens/s" if text else "examples/s",
         "step_time_ms": report["step_time_ms"], "too_few_steps": report["too_few_steps"],
         "eval_accuracy": report.get("eval_accuracy"), "eval_loss": report.get("eval_loss"),

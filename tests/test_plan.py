@@ -117,6 +117,33 @@ def test_steps_per_execution_from_the_trainers_tuning():
     assert (short.value, short.source) == (16, "predicted")
 
 
+def test_steps_per_call_and_placement_are_the_plans_rules():
+    # The smallest power of two whose call overhead is at most 2 % of the call.
+    assert plan.steps_per_call(plan.CallCost(4e-4, 7e-4), cap=50) == 32
+    assert plan.steps_per_call(plan.CallCost(4e-4, 7e-4), cap=20) == 20  # one epoch at most
+    assert plan.unmeasured_steps_per_call(5) == 5 and plan.unmeasured_steps_per_call(99) == 16
+    fits = plan.placement("auto", "train", 6.3, 1000.0, "half the RAM", "")
+    assert (fits.value, fits.source) == ("device", "predicted")
+    assert "~6.3 MB, the budget is 1,000 MB (half the RAM): held in the step" in fits.reason
+    big = plan.placement("auto", "train", 2000.0, 1000.0, "--ram_budget_mb", "")
+    assert big.value == "host" and big.reason.endswith(": tf.data")
+    served = plan.placement("auto", "train", 1.0, 1000.0, "", "--data_service reads elsewhere")
+    assert served == plan.Decision("host", "auto: --data_service reads elsewhere", "predicted")
+    assert plan.placement("host", "train", 1.0, 1e3, "", "").source == "given"
+    with pytest.raises(UsageError, match="cannot hold the input in the step: tokens; use "
+                                         "--input_placement=host or auto"):
+        plan.placement("device", "train", 1.0, 1e3, "", "tokens")
+
+
+def test_the_steps_per_call_and_placement_rules_are_written_once():
+    rules = re.compile(r"overhead\s*>\s*\w*OVERHEAD|estimate_mb\s*>\s*budget_mb")
+    found = [f"{path.relative_to(REPO)}:{n}" for path in sorted((REPO / "tfspeed").rglob("*.py"))
+             for n, line in enumerate(path.read_text().splitlines(), 1)
+             if rules.search(line) and path != REPO / "tfspeed" / "plan.py"]
+    assert not found, found
+    assert len(rules.findall((REPO / "tfspeed" / "plan.py").read_text())) == 2
+
+
 def test_the_plan_keeps_one_decision_a_name_and_reports_each():
     decided = plan.Plan().with_(xla=plan.xla("auto", False, "pack"))
     decided = decided.with_(xla=plan.xla("off", False), batching=plan.Decision("pad", "r", "given"))

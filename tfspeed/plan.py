@@ -11,6 +11,9 @@ The batching decision walks: ``--batching`` given -> reused from the first run -
 model's prediction (``probes.costs``) -> a probe of bucket against pack where the
 prediction is within the model's error. XLA's ``auto``: on for an accelerator, and on a
 CPU only for packed rows (one static shape, one compile): ``xla`` and ``compiled_modes``.
+Steps per call: the smallest power of two whose call overhead is a small share of the call
+(``steps_per_call``; ``probes.autotune`` times the overhead and the step). The input's
+placement: in the step where the decoded split fits the RAM budget (``placement``).
 """
 
 from __future__ import annotations
@@ -252,6 +255,65 @@ def precision_to_measure(requested: str, reason: str) -> bool:
     hardware rule chose bfloat16 for a CPU (``reason``: the runtime's; a small model often
     runs faster in float32 there, so it is timed)."""
     return requested == "measure" or (requested == AUTO and reason == CPU_BF16)
+
+
+# ---- steps per call ------------------------------------------------------------------------
+
+CALL_OVERHEAD = 0.02  # the share of a compiled call that its fixed overhead may take
+UNMEASURED_STEPS = 16  # steps per call where a run is too short to probe
+
+
+@dataclasses.dataclass(frozen=True)
+class CallCost:
+    """Seconds of one compiled-loop call: ``overhead + steps * step``."""
+
+    overhead: float
+    step: float
+
+
+def call_cost(empty: float, many: float, n: int) -> CallCost:
+    """The cost model from the median seconds of a 0-step call and an ``n``-step call."""
+    return CallCost(overhead=empty, step=max(many - empty, 1e-9) / n)
+
+
+def steps_per_call(cost: CallCost, cap: int) -> int:
+    """``--steps_per_execution=auto``'s rule: the smallest power of two N with
+    ``overhead <= CALL_OVERHEAD * N * step``, at most ``cap`` (one epoch)."""
+    n = 1
+    while n < cap and cost.overhead > CALL_OVERHEAD * n * cost.step:
+        n *= 2
+    return max(1, min(n, cap))
+
+
+def unmeasured_steps_per_call(cap: int) -> int:
+    """Steps per call where the run is too short to probe: ``UNMEASURED_STEPS``, at most
+    ``cap``."""
+    return max(1, min(UNMEASURED_STEPS, cap))
+
+
+# ---- input placement -----------------------------------------------------------------------
+
+def placement(requested: str, split: str, estimate_mb: float, budget_mb: float,
+              budget_source: str, blocker: str) -> Decision:
+    """``--input_placement``: ``device`` holds the training split in the step, ``host`` reads
+    it through tf.data. ``auto`` holds it where its decoded size fits the RAM budget and
+    nothing needs the pipeline (``blocker``: what does, in words, or empty).
+
+    Raises:
+      UsageError: ``device`` was asked for where ``blocker`` needs the pipeline.
+    """
+    if requested in ("host", "device"):
+        if requested == "device" and blocker:
+            raise UsageError(f"--input_placement=device cannot hold the input in the step: "
+                             f"{blocker}; use --input_placement=host or auto")
+        return Decision(requested, f"--input_placement={requested}", GIVEN)
+    if blocker:
+        return Decision("host", f"auto: {blocker}", PREDICTED)
+    size = (f"the decoded {split!r} split takes ~{estimate_mb:,.1f} MB, the budget is "
+            f"{budget_mb:,.0f} MB ({budget_source})")
+    if estimate_mb > budget_mb:
+        return Decision("host", f"auto: {size}: tf.data", PREDICTED)
+    return Decision("device", f"auto: {size}: held in the step", PREDICTED)
 
 
 # ---- the job's plan ------------------------------------------------------------------------

@@ -8,18 +8,18 @@ from tfspeed.probes import autotune
 
 def test_steps_per_execution_is_the_smallest_power_of_two_with_a_small_overhead():
     # 0.4 ms per call, 0.7 ms per step (the digits MLP here): 0.4 / (0.02 x 0.7) = 28.6 -> 32.
-    assert autotune.steps_per_execution(autotune.CallCost(4e-4, 7e-4), cap=50) == 32
+    assert plan.steps_per_call(plan.CallCost(4e-4, 7e-4), cap=50) == 32
     # 0.5 ms per call, 5 ms per step (the digits CNN): 5 -> 8.
-    assert autotune.steps_per_execution(autotune.CallCost(5e-4, 5e-3), cap=50) == 8
+    assert plan.steps_per_call(plan.CallCost(5e-4, 5e-3), cap=50) == 8
     # Never more than one epoch per call, never less than 1.
-    assert autotune.steps_per_execution(autotune.CallCost(1e-2, 1e-5), cap=25) == 25
-    assert autotune.steps_per_execution(autotune.CallCost(0.0, 1.0), cap=25) == 1
+    assert plan.steps_per_call(plan.CallCost(1e-2, 1e-5), cap=25) == 25
+    assert plan.steps_per_call(plan.CallCost(0.0, 1.0), cap=25) == 1
 
 
 def test_call_cost_from_an_empty_call_and_a_call_of_eight():
-    cost = autotune.fit_call_cost(empty=4e-4, many=4e-4 + 8 * 7e-4)
+    cost = plan.call_cost(empty=4e-4, many=4e-4 + 8 * 7e-4, n=8)
     assert cost.overhead == pytest.approx(4e-4) and cost.step == pytest.approx(7e-4)
-    assert autotune.fit_call_cost(empty=5e-4, many=4e-4).step > 0  # noise cannot go negative
+    assert plan.call_cost(empty=5e-4, many=4e-4, n=8).step > 0  # noise cannot go negative
 
 
 def test_the_probe_takes_at_most_five_percent_of_the_run():

@@ -12,10 +12,6 @@ from tests.conftest import REPO
 from tfspeed.tuning import measurements as ms
 from tfspeed.tuning import predict, verify
 
-# A ceiling, as tests/test_tune.py's: the work (measuring, your flags and one candidate, two
-# rounds each) ends well before it on an idle machine; a loaded one skips second rounds.
-TUNE_BUDGET_S = 150
-TINY = ["--model=transformer", "--width=16", "--depth=1", "--heads=2"]
 BUDGET = "--tokens_per_batch=8192"  # a user's token budget on top of pipelines/text.flags
 
 
@@ -237,24 +233,6 @@ def test_your_flags_alone_measured_are_kept_with_what_was_skipped(tmp_path, monk
 # ------------------------------------------------------------------ one real tune
 
 
-@pytest.fixture(scope="module")
-def text_tune(text_dirs, tmp_path_factory):
-    """``python -m tfspeed.tune`` on a small text job, as a user runs it: (the process, the
-    tune directory)."""
-    root = tmp_path_factory.mktemp("tune_text")
-    flagfile = root / "job.flags"
-    flagfile.write_text("\n".join([f"--data_dir={text_dirs['classification']}", *TINY,
-                                   "--batch_size=16", "--batching=auto", "--epochs=1",
-                                   "--eval_split="]) + "\n")
-    run = subprocess.run(
-        [sys.executable, "-m", "tfspeed.tune", f"--flagfile={flagfile}",
-         f"--model_dir={root / 'run'}", f"--budget_s={TUNE_BUDGET_S}", "--verify=1"],
-        cwd=REPO, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONPATH": str(REPO)},
-        capture_output=True, text=True, timeout=TUNE_BUDGET_S + 120)
-    assert run.returncode == 0, run.stderr[-3000:]
-    return run, root / "run" / "tune"
-
-
 def test_a_text_tune_says_what_it_measures_and_verifies(text_tune):
     run, _ = text_tune
     assert "Traceback" not in run.stderr
@@ -286,7 +264,7 @@ def test_a_text_tune_records_its_token_figures(text_tune):
 def test_tuned_text_flags_train_with_the_chosen_batching(text_tune, tmp_path):
     """The driver (in this process: ``tfspeed.train`` is a thin command over ``run``) trains
     the job from tuned.flags with the batching the tune measured fastest: the whole job (one
-    pass of ~120 tiny steps), as ``--batching=auto`` weighs compiles against the run's
+    pass of the docstrings), as ``--batching=auto`` weighs compiles against the run's
     length (3 steps bucketed what the job packs)."""
     from absl.testing import flagsaver
 
@@ -400,9 +378,10 @@ def test_the_run_of_your_flags_takes_the_precision_the_tune_measured(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def default_budget_tune(short_texts, tmp_path_factory):
+def text_tune(short_texts, tmp_path_factory):
     """``python -m tfspeed.tune`` of pipelines/text.flags on short real texts (docstrings)
-    at its default budget, as the issue ran it: (the process, tune.json)."""
+    at its default budget, as a user (and the issue) ran it: (the process, the tune
+    directory). One real tune serves this module's tests of it."""
     root = tmp_path_factory.mktemp("tune_default")
     run = subprocess.run(
         [sys.executable, "-m", "tfspeed.tune",
@@ -411,16 +390,16 @@ def default_budget_tune(short_texts, tmp_path_factory):
         cwd=REPO, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONPATH": str(REPO)},
         capture_output=True, text=True, timeout=400)
     assert run.returncode == 0, run.stderr[-3000:]
-    return run, json.loads((root / "run" / "tune" / "tune.json").read_text())
+    return run, root / "run" / "tune"
 
 
-def test_a_default_budget_tune_of_the_text_job_keeps_its_budget_and_verifies(
-        default_budget_tune):
+def test_a_default_budget_tune_of_the_text_job_keeps_its_budget_and_verifies(text_tune):
     """It once took 130 s of its 90 s (the run of your flags probed the precision again,
     its measuring child took ~10 s to exit) and skipped every candidate; and its log held a
     traceback. Now it ends within its budget (and the slack of one run's estimate), with at
     least one real run measured, and names each run it skipped and why."""
-    run, result = default_budget_tune
+    run, tune_dir = text_tune
+    result = json.loads((tune_dir / "tune.json").read_text())
     assert "Traceback" not in run.stderr, run.stderr[-3000:]
     assert result["budget_s"] == 90.0
     assert result["seconds"] <= 1.2 * result["budget_s"], result["seconds"]

@@ -50,31 +50,18 @@ class Placement:
 
 
 def choose(requested: str, config: DataConfig, schema, split: str) -> Placement:
-    """Resolves ``--input_placement`` (``auto``, ``host`` or ``device``).
+    """Resolves ``--input_placement`` (``auto``, ``host`` or ``device``) by the plan's rule
+    (``tfspeed.plan.placement``) on this split's decoded size and what needs the pipeline:
+    the tf.data service, or an augmentation that decodes (random_resized_crop works on the
+    encoded images)."""
+    from tfspeed import plan as plan_lib
 
-    ``auto`` holds the split in-graph when its decoded size fits the budget and nothing needs
-    the pipeline: no tf.data service, no augmentation that decodes (random_resized_crop
-    works on the encoded images).
-    """
     records = schema.split(split).num_records
     estimate_mb = records * plan.record_bytes(config, schema, split) / 2**20
     budget_mb, source = plan.ram_budget_mb(config)
-    size = f"the decoded {split!r} split takes ~{estimate_mb:,.1f} MB, the budget is {budget_mb:,.0f} MB ({source})"
-    blocker = _blocker(config, schema)
-    if requested == "host":
-        return Placement("host", "--input_placement=host", estimate_mb, budget_mb)
-    if requested == "device":
-        if blocker:
-            from tfspeed.errors import UsageError
-
-            raise UsageError(f"--input_placement=device cannot hold the input in the step: "
-                             f"{blocker}; use --input_placement=host or auto")
-        return Placement("device", "--input_placement=device", estimate_mb, budget_mb)
-    if blocker:
-        return Placement("host", f"auto: {blocker}", estimate_mb, budget_mb)
-    if estimate_mb > budget_mb:
-        return Placement("host", f"auto: {size}: tf.data", estimate_mb, budget_mb)
-    return Placement("device", f"auto: {size}: held in the step", estimate_mb, budget_mb)
+    decided = plan_lib.placement(requested, split, estimate_mb, budget_mb, source,
+                                 _blocker(config, schema))
+    return Placement(decided.value, decided.reason, estimate_mb, budget_mb)
 
 
 def is_in_step(source) -> bool:

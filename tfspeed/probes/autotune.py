@@ -3,7 +3,8 @@
 * ``steps_per_execution``: a call of the compiled loop costs a fixed overhead ``c`` (Python,
   dispatch, the host sync at its end) plus ``N`` steps of ``s`` each. Calls of 0 steps measure
   ``c`` directly (they train nothing), calls of 8 steps give ``s``; N is the smallest power of
-  two whose overhead is at most ``OVERHEAD`` of the call, capped at one epoch per call. A rule
+  two whose overhead is at most ``plan.CALL_OVERHEAD`` of the call, capped at one epoch per
+  call (the rule is ``tfspeed.plan.steps_per_call``; this module times it). A rule
   over a fitted cost model picks the same N in repeated runs, where "the fastest of a few
   noisy sweeps" did not.
 * token batching: ``--batching=auto`` predicts bucket's and pack's work per real token
@@ -19,36 +20,15 @@
 
 from __future__ import annotations
 
-import dataclasses
 import statistics
 import time
 
 import numpy as np
 
-OVERHEAD = 0.02  # the share of a call that its fixed overhead may take
+from tfspeed import plan
+
 PROBE_SHARE = 0.05  # of a run, at most, spent probing: its steps (the batching probe: its real tokens)
 PROBE_N = 8
-
-
-@dataclasses.dataclass(frozen=True)
-class CallCost:
-    """Seconds of one compiled-loop call: ``overhead + steps * step``."""
-
-    overhead: float
-    step: float
-
-
-def fit_call_cost(empty: float, many: float, n: int = PROBE_N) -> CallCost:
-    """The cost model from the median seconds of a 0-step call and an ``n``-step call."""
-    return CallCost(overhead=empty, step=max(many - empty, 1e-9) / n)
-
-
-def steps_per_execution(cost: CallCost, cap: int) -> int:
-    """The smallest power of two N with ``overhead <= OVERHEAD * N * step``, at most ``cap``."""
-    n = 1
-    while n < cap and cost.overhead > OVERHEAD * n * cost.step:
-        n *= 2
-    return max(1, min(n, cap))
 
 
 def _probe_calls(remaining: int) -> int:
@@ -58,7 +38,7 @@ def _probe_calls(remaining: int) -> int:
 
 def probe_fits(remaining: int) -> bool:
     """Whether a run of ``remaining`` micro-steps is long enough for the probe of
-    ``tune_steps_per_execution`` (shorter ones take ``min(16, epoch)`` unmeasured)."""
+    ``tune_steps_per_execution`` (shorter ones take ``plan.unmeasured_steps_per_call``)."""
     return _probe_calls(remaining) >= 2
 
 
@@ -78,7 +58,7 @@ def tune_steps_per_execution(run_call, remaining: int, per_epoch: int, agree=lam
     cap = max(1, min(per_epoch, remaining))
     calls = min(4, _probe_calls(remaining))
     if calls < 2:
-        n = min(16, cap)
+        n = plan.unmeasured_steps_per_call(cap)
         return n, 0, {"value": n, "auto": True, "probe": f"none: with {remaining} steps left "
                       f"{PROBE_SHARE:.0%} is too few to measure; {n} taken"}
     run_call(1)  # traces the function: kept out of the timings
@@ -90,14 +70,14 @@ def tune_steps_per_execution(run_call, remaining: int, per_epoch: int, agree=lam
             run_call(n)
             seconds.append(time.perf_counter() - start)
         timings[n] = agree(statistics.median(seconds))
-    cost = fit_call_cost(timings[0], timings[PROBE_N])
-    n = steps_per_execution(cost, cap)
+    cost = plan.call_cost(timings[0], timings[PROBE_N], PROBE_N)
+    n = plan.steps_per_call(cost, cap)
     used = 1 + calls * PROBE_N
     return n, used, {
         "value": n, "auto": True, "call_overhead_ms": round(1000 * cost.overhead, 3),
         "step_ms": round(1000 * cost.step, 3), "probe_steps": used,
-        "rule": f"smallest power of two with the call overhead <= {OVERHEAD:.0%} of the "
-                f"call, at most one epoch ({per_epoch} steps)"}
+        "rule": f"smallest power of two with the call overhead <= {plan.CALL_OVERHEAD:.0%} of "
+                f"the call, at most one epoch ({per_epoch} steps)"}
 
 
 def time_steps(engines: dict, batches, call_s: float = 0.05, rounds: int = 5,

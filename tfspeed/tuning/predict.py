@@ -13,7 +13,6 @@ import itertools
 
 from tfspeed import plan
 from tfspeed.config import AUTO
-from tfspeed.probes import autotune
 from tfspeed.probes.costs import TOKEN_BUDGET_MARGIN
 from tfspeed.tuning.measurements import InputKey, Measurements, StepKey, StepTiming
 
@@ -232,7 +231,7 @@ def rank(m: Measurements) -> list[dict]:
 
 
 def spe_choices(step: StepTiming, per_epoch: int) -> list[int]:
-    """1, and the cost model's N (``autotune.steps_per_execution``) when it is more."""
-    n = autotune.steps_per_execution(
-        autotune.CallCost(step.overhead_s, max(step.step_s, 1e-9)), max(per_epoch, 1))
+    """1, and the plan's N (``plan.steps_per_call``) when it is more."""
+    n = plan.steps_per_call(plan.CallCost(step.overhead_s, max(step.step_s, 1e-9)),
+                            max(per_epoch, 1))
     return sorted({1, n})
