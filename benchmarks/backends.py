@@ -27,11 +27,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import shutil
-import statistics
-import subprocess
 import sys
-import time
 
 from absl import app, flags
 
@@ -67,48 +63,8 @@ def run(job: str, backend: str, round_: int) -> dict:
     """One job on one backend in a fresh process; the report's figures."""
     source, extra = jobs(_WORKDIR.value)[job]
     model_dir = os.path.join(_WORKDIR.value, "runs", f"{job}-{backend}-{round_}")
-    return train(REPO, source, extra, os.path.join(_WORKDIR.value, "data", source), model_dir,
+    return bench.train_job(REPO, source, extra, os.path.join(_WORKDIR.value, "data", source), model_dir,
                  {"KERAS_BACKEND": backend})
-
-
-def train(repo: str, source: str, extra: list[str], data_dir: str, model_dir: str,
-          env: dict) -> dict:
-    """``python -m tfspeed.train`` of the checkout at ``repo`` in a fresh process and a fresh
-    ``model_dir``; its report's figures and the process's wall seconds."""
-    shutil.rmtree(model_dir, ignore_errors=True)
-    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONPATH": repo, **env}
-    command = [sys.executable, "-m", "tfspeed.train", *extra, f"--prepare_source={source}",
-               f"--data_dir={data_dir}", f"--model_dir={model_dir}"]
-    start = time.perf_counter()
-    proc = subprocess.run(command, cwd=repo, env=env, capture_output=True, text=True)
-    wall = time.perf_counter() - start
-    path = os.path.join(model_dir, "report.json")
-    if proc.returncode or not os.path.exists(path):
-        return {"failed": " ".join(command[1:]), "error": proc.stderr.strip()[-1500:],
-                "wall_seconds": wall}
-    with open(path) as f:
-        report = json.load(f)
-    text = "real_tokens_per_sec" in report
-    throughput = report.get("batch_examples_per_sec", report.get("examples_per_sec"))
-    return {
-        "throughput": report["real_tokens_per_sec"] if text else throughput,
-        "unit": "real tokens/s" if text else "examples/s",
-        "step_time_ms": report["step_time_ms"], "too_few_steps": report["too_few_steps"],
-        "eval_accuracy": report.get("eval_accuracy"), "eval_loss": report.get("eval_loss"),
-        "wall_seconds": wall, "updates": report["optimizer_updates"],
-        "precision": report["runtime"]["precision"], "xla": report["runtime"]["xla"],
-        "placement": report["input"]["placement"]["where"],
-        "batching": (report["input"].get("batching") or {}).get("mode"),
-        "steps_per_execution": report["steps_per_execution"].get("value"),
-        "compiled_programs": report.get("compiled_programs"),
-    }
-
-
-def summary(values: list) -> dict | None:
-    values = [v for v in values if isinstance(v, int | float)]
-    if not values:
-        return None
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
 def make_record(results: dict, complete: bool) -> dict:
@@ -119,7 +75,7 @@ def make_record(results: dict, complete: bool) -> dict:
             usable = [r for r in rounds if "failed" not in r]
             figures[job][backend] = {
                 "rounds": rounds, "failed_rounds": len(rounds) - len(usable),
-                **{k: summary([r.get(k) for r in usable])
+                **{k: bench.summary([r.get(k) for r in usable])
                    for k in ("throughput", "eval_accuracy", "eval_loss", "wall_seconds",
                              "step_time_ms")}}
         medians = {b: (figures[job][b]["throughput"] or {}).get("median") for b in BACKENDS}

@@ -27,12 +27,12 @@ import os
 import subprocess
 import sys
 
-import backends  # noqa: E402  -- benchmarks/ is sys.path[0] when run as a script
 from absl import app, flags
 
-from tfspeed import bench
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+from tfspeed import bench  # noqa: E402
 
-REPO = backends.REPO
 _BASE = flags.DEFINE_string("base", None, "An older checkout of tfspeed to compare with.")
 _WORKDIR = flags.DEFINE_string("workdir", "/tmp/tfspeed-bench-versions", "Data and runs.")
 _ROUNDS = flags.DEFINE_integer("rounds", 3, "Interleaved rounds over every job and checkout.")
@@ -61,7 +61,7 @@ def main(argv):
             source, extra = JOBS[job]
             for tree in (list(trees) if r % 2 == 0 else list(trees)[::-1]):
                 root = os.path.join(_WORKDIR.value, tree)
-                result = backends.train(trees[tree], source, extra,
+                result = bench.train_job(trees[tree], source, extra,
                                         os.path.join(root, "data", source),
                                         os.path.join(root, "runs", f"{job}-{r}"), {})
                 results[job][tree].append({"round": r, **result})
@@ -74,7 +74,7 @@ def main(argv):
             usable = [x for x in rounds if "failed" not in x]
             figures[job][tree] = {
                 "rounds": rounds, "failed_rounds": len(rounds) - len(usable),
-                **{k: backends.summary([x.get(k) for x in usable])
+                **{k: bench.summary([x.get(k) for x in usable])
                    for k in ("throughput", "eval_accuracy", "wall_seconds", "step_time_ms")}}
         medians = [(figures[job][t]["throughput"] or {}).get("median") for t in trees]
         if all(medians):

@@ -14,8 +14,10 @@ import json
 import math
 import os
 import platform
+import shutil
 import statistics
 import subprocess
+import sys
 import time
 
 from tfspeed.util import system
@@ -58,6 +60,47 @@ def run_contender(command: list[str], name: str, check: bool = True, **popen) ->
     if check:
         raise SystemExit(f"{name} failed:\n{proc.stderr[-3000:]}")
     return {"failed": name, "error": proc.stderr.strip()[-1500:]}
+
+
+def train_job(repo: str, source: str, extra: list[str], data_dir: str, model_dir: str,
+          env: dict) -> dict:
+    """``python -m tfspeed.train`` of the checkout at ``repo`` in a fresh process and a fresh
+    ``model_dir``; its report's figures and the process's wall seconds."""
+    shutil.rmtree(model_dir, ignore_errors=True)
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONPATH": repo, **env}
+    command = [sys.executable, "-m", "tfspeed.train", *extra, f"--prepare_source={source}",
+               f"--data_dir={data_dir}", f"--model_dir={model_dir}"]
+    start = time.perf_counter()
+    proc = subprocess.run(command, cwd=repo, env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    path = os.path.join(model_dir, "report.json")
+    if proc.returncode or not os.path.exists(path):
+        return {"failed": " ".join(command[1:]), "error": proc.stderr.strip()[-1500:],
+                "wall_seconds": wall}
+    with open(path) as f:
+        report = json.load(f)
+    text = "real_tokens_per_sec" in report
+    throughput = report.get("batch_examples_per_sec", report.get("examples_per_sec"))
+    return {
+        "throughput": report["real_tokens_per_sec"] if text else throughput,
+        "unit": "real tokens/s" if text else "examples/s",
+        "step_time_ms": report["step_time_ms"], "too_few_steps": report["too_few_steps"],
+        "eval_accuracy": report.get("eval_accuracy"), "eval_loss": report.get("eval_loss"),
+        "wall_seconds": wall, "updates": report["optimizer_updates"],
+        "precision": report["runtime"]["precision"], "xla": report["runtime"]["xla"],
+        "placement": report["input"]["placement"]["where"],
+        "batching": (report["input"].get("batching") or {}).get("mode"),
+        "steps_per_execution": report["steps_per_execution"].get("value"),
+        "compiled_programs": report.get("compiled_programs"),
+    }
+
+
+def summary(values: list) -> dict | None:
+    """Median, min and max of the numbers in ``values`` (None where there are none)."""
+    values = [v for v in values if isinstance(v, int | float)]
+    if not values:
+        return None
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
 def machine() -> dict:

@@ -129,7 +129,7 @@ def objectives(model, train) -> tuple:
     metrics = config.get("metrics") or []
     if isinstance(metrics, dict) or any(isinstance(m, (list, dict)) for m in metrics):
         raise NotOnEngine("metrics are given per output")
-    x, y = next(iter(train.take(1)))
+    x, y = first_batch(train)
     outputs = model(x, training=False)
     out = []
     for given in metrics:
@@ -140,6 +140,15 @@ def objectives(model, train) -> tuple:
         out.append(_per_example(lambda t, p, m=metric: m._fn(t, p, **m._fn_kwargs),
                                 metric.name))
     return _per_example(loss.call, "loss"), out
+
+
+def first_batch(data):
+    """``data``'s first element, read from a copy with the same seeds (``graph.copy``): an
+    iterator of ``data`` itself would advance its shuffle's seed generator, and the epochs
+    that follow would see other orders than the script as written."""
+    from tfspeed.attach import graph
+
+    return next(iter(graph.copy(data).take(1)))
 
 
 def _per_example(fn, name: str):
@@ -183,7 +192,7 @@ def run_fit(model, fit, args: dict, record: dict,
     """
     import keras
 
-    record["batch"] = int(keras.tree.flatten(next(iter(args["x"].take(1)))[1])[0].shape[0])
+    record["batch"] = int(keras.tree.flatten(first_batch(args["x"])[1])[0].shape[0])
     epochs, verbose = args.get("epochs", 1), args.get("verbose", "auto")
     verbose = 1 if verbose == "auto" else verbose
     history = keras.callbacks.History()
