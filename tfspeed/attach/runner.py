@@ -85,7 +85,11 @@ def run_script(path: str, argv: list[str], min_engine_seconds: float | None = No
         print(step.summary(len(fits), record) + "; data: " + "; ".join(record["changed"]))
         return history
 
-    script.run(path, argv, handler)
+    _DONE.clear()
+    try:
+        script.run(path, argv, handler)
+    finally:
+        _DONE.clear()
     return fits
 
 
@@ -97,13 +101,13 @@ def _optimized_with_model(model, args: dict, record: dict):
     are optimised without the model, and the line says why."""
     from tfspeed.attach.optimize import optimize
 
-    x, adapted = optimize(args["x"], model)
+    x, adapted = _once(optimize, args["x"], model)
     val = args.get("validation_data")
     if adapted is model or val is None or _same_inputs(x, val):
         _note(x, "x", record)
         args["x"], args["validation_data"] = x, _optimized(val, "validation_data", record)
         return adapted
-    val_out, _ = optimize(val, model)
+    val_out, _ = _once(optimize, val, model)
     if _same_inputs(x, val_out):
         _note(x, "x", record)
         _note(val_out, "validation_data", record)
@@ -115,6 +119,21 @@ def _optimized_with_model(model, args: dict, record: dict):
     for name in ("x", "validation_data"):
         args[name] = _optimized(args.get(name), name, record)
     return model
+
+
+# optimize's result for each dataset (and model) a script's fits were given, by id, with the
+# objects kept alive: a later fit on the same dataset gets the same optimised one. A shuffle
+# keeps its seed generator in its dataset object, so a script whose second fit reshuffles on
+# from where its first left off does so on the optimised data too (a fresh rewrite would
+# start again from the first order).
+_DONE: dict[tuple[int, int], tuple] = {}
+
+
+def _once(optimize, data, model=None):
+    key = (id(data), id(model))
+    if key not in _DONE:
+        _DONE[key] = (data, model, optimize(data) if model is None else optimize(data, model))
+    return _DONE[key][2]
 
 
 def _same_inputs(train, val) -> bool:
@@ -138,7 +157,7 @@ def _optimized(data, name: str, record: dict):
             record["changed"].append(f"fit({name}=...) is not a tf.data.Dataset "
                                      f"({type(data).__name__}): fed by Keras as written")
         return data
-    out = optimize(data)
+    out = _once(optimize, data)
     _note(out, name, record)
     return out
 

@@ -145,7 +145,8 @@ def objectives(model, train) -> tuple:
 def first_batch(data):
     """``data``'s first element, read from a copy with the same seeds (``graph.copy``): an
     iterator of ``data`` itself would advance its shuffle's seed generator, and the epochs
-    that follow would see other orders than the script as written."""
+    that follow would see other orders than the script as written. (A pipeline with steps
+    ``graph`` cannot rebuild, a store's cache among them, is read itself.)"""
     from tfspeed.attach import graph
 
     return next(iter(graph.copy(data).take(1)))
@@ -192,7 +193,10 @@ def run_fit(model, fit, args: dict, record: dict,
     """
     import keras
 
-    record["batch"] = int(keras.tree.flatten(first_batch(args["x"])[1])[0].shape[0])
+    # Read from the data as written (the same batches): a copy of the optimised data, where
+    # it reads a store, cannot be rebuilt, and reading it would advance its shuffle.
+    record["batch"] = int(keras.tree.flatten(
+        first_batch(args.get("written", args)["x"])[1])[0].shape[0])
     epochs, verbose = args.get("epochs", 1), args.get("verbose", "auto")
     verbose = 1 if verbose == "auto" else verbose
     history = keras.callbacks.History()
