@@ -23,7 +23,18 @@ from collections.abc import Callable
 
 from tfspeed.config import AUTO, BATCHING_MODES
 from tfspeed.errors import UsageError
-from tfspeed.probes.costs import AUTO_MARGIN, BATCHING_MARGIN
+
+# How much better another choice has to be before auto takes it (``probes.costs`` names
+# the project's other margins):
+# - auto keeps the plainer choice unless the other is predicted (batching) or measured
+#   (precision) this much cheaper: padding over buckets (one shape fewer to trace, no
+#   grouping buffer, which the costs leave out); float32 over mixed_bfloat16 (exact, and a
+#   close race on a shared machine is noise).
+AUTO_MARGIN = 0.05
+# - Not a preference but the cost model's error: auto times bucket against pack where
+#   neither is predicted this many times cheaper (predicted/measured has ranged 0.9-1.5
+#   over the benchmark's records).
+BATCHING_MARGIN = 1.5
 
 GIVEN, PREDICTED, MEASURED, REUSED = "given", "predicted", "measured", "reused"
 REUSED_NOTE = "reused from the first run"  # training.decisions.REUSED says the same

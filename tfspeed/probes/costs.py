@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from tfspeed.plan import AUTO_MARGIN, BATCHING_MARGIN  # noqa: F401 -- auto's margins, named here too
+
 # Where each batch shape is compiled (XLA: JAX always, TensorFlow's packed rows): one compile
 # costs about this many of the run's batches (the transformer on 2 cores: 2-4 s to compile
 # against 0.1-0.3 s a step), so a short run takes fewer buckets.
@@ -30,16 +32,8 @@ XLA_GAIN = {"classification": 1.05, "lm": 1.25}
 XLA_OVERHEAD_TOKENS = 600.0
 
 # How much better another choice has to be before it is taken. Each means something of its
-# own, so each has its own value; all are written here.
-# - auto keeps the plainer choice unless the other is predicted (batching) or measured
-#   (precision) this much cheaper: padding over buckets (one shape fewer to trace, no
-#   grouping buffer, which the costs leave out); float32 over mixed_bfloat16 (exact, and a
-#   close race on a shared machine is noise).
-AUTO_MARGIN = 0.05
-# - Not a preference but the cost model's error: auto times bucket against pack where
-#   neither is predicted this many times cheaper (predicted/measured has ranged 0.9-1.5
-#   over the benchmark's records).
-BATCHING_MARGIN = 1.5
+# own, so each has its own value. auto's two (AUTO_MARGIN, BATCHING_MARGIN) are the plan's,
+# which decides with them; imported above.
 # - tune ranks a token budget other than the job's as if this much slower: it changes the
 #   updates per epoch, not only the speed.
 TOKEN_BUDGET_MARGIN = 0.03
