@@ -50,8 +50,9 @@ class Hardware:
 
 
 @dataclasses.dataclass(frozen=True)
-class Plan:
-    """The resolved choices, before anything is applied.
+class Resolved:
+    """The resolved runtime choices, before anything is applied (``tfspeed.plan.Plan`` records
+    them with their reasons, as report.json's plan).
 
     Attributes:
       strategy: ``default``, ``one_device`` or ``mirrored``.
@@ -129,7 +130,7 @@ def cluster_tasks(environ=None) -> int:
     return tasks
 
 
-def resolve(config: RuntimeConfig, hw: Hardware, backend_name: str = "tensorflow") -> Plan:
+def resolve(config: RuntimeConfig, hw: Hardware, backend_name: str = "tensorflow") -> Resolved:
     """Turns ``config`` (possibly ``auto``) into concrete choices for ``hw`` on Keras'
     ``backend_name``.
 
@@ -174,7 +175,7 @@ def resolve(config: RuntimeConfig, hw: Hardware, backend_name: str = "tensorflow
 
     decided = plan_lib.xla(config.xla, bool(hw.gpus or hw.tpus))
     xla, reasons["xla"] = decided.value, decided.reason
-    return Plan(strategy=strategy, cpu_replicas=config.cpu_replicas, precision=precision,
+    return Resolved(strategy=strategy, cpu_replicas=config.cpu_replicas, precision=precision,
                 loss_scale=loss_scale, xla=xla, gpu_memory_growth=bool(hw.gpus), reasons=reasons)
 
 
@@ -204,7 +205,7 @@ class Runtime:
     """
 
     strategy: object
-    plan: Plan
+    plan: Resolved
     devices: tuple = ()
 
     @property
@@ -346,7 +347,7 @@ def setup(config: RuntimeConfig, hw: Hardware | None = None,
     return runtime
 
 
-def _with_threads(plan: Plan, config: RuntimeConfig, hw: Hardware, forward_flops) -> Plan:
+def _with_threads(plan: Resolved, config: RuntimeConfig, hw: Hardware, forward_flops) -> Resolved:
     """``plan`` with the intra-op threads chosen (``tfspeed.runtime.threads``) and set."""
     from tfspeed.runtime import threads
 
@@ -361,7 +362,7 @@ def _with_threads(plan: Plan, config: RuntimeConfig, hw: Hardware, forward_flops
                                reasons={**plan.reasons, "intra_op_threads": why})
 
 
-def _replicas_before_strategy(plan: Plan) -> int:
+def _replicas_before_strategy(plan: Resolved) -> int:
     """Replicas a global batch is split over, as known before the strategy exists (on a
     host without GPUs: the CPU replicas, or one)."""
     return max(plan.cpu_replicas, 1)
@@ -397,7 +398,7 @@ def _configure(apply, what: str) -> None:
         logging.warning("%s not applied: %s", what, e)
 
 
-def _make_strategy(plan: Plan):
+def _make_strategy(plan: Resolved):
     import tensorflow as tf
 
     if plan.strategy == "multi_worker":  # before anything initialises the TF runtime
