@@ -262,11 +262,16 @@ def test_the_step_runs_on_tfspeeds_engine_and_the_script_sees_what_keras_gives(
         # numbers as written
         assert MAPPED != DIGITS
         (root / "mapped.py").write_text(MAPPED)
-        figures = [script_figures(tfspeed(*head, "mapped.py", str(root / "m.keras"), cwd=root,
-                                          cache=root / "cache-m"))
-                   for head in ([None], ["run"])]
+        runs = [tfspeed(*head, "mapped.py", str(root / "m.keras"), cwd=root,
+                        cache=root / "cache-m") for head in ([None], ["run"])]
+        figures = [script_figures(run) for run in runs]
         assert figures[0]["val_accuracy"] == figures[1]["val_accuracy"]
         assert figures[0]["evaluate"] == figures[1]["evaluate"]
+        first, second = [line for line in runs[1].stdout.splitlines()
+                         if line.startswith("tfspeed.run: fit")]
+        assert "epoch 1 on Keras' fit (storing the optimised data" in first, first
+        assert "epoch 1 on Keras' fit (replaying the store an earlier fit wrote)" in second
+        assert "x: the dataset an earlier fit optimised (storing" in second, second
 
 
 def test_what_the_engine_cannot_take_runs_on_keras_fit_with_one_line(scripts):

@@ -130,9 +130,14 @@ _DONE: dict[tuple[int, int], tuple] = {}
 
 
 def _once(optimize, data, model=None):
+    """``optimize(data[, model])``, once per dataset and model; the entry remembers whether
+    an earlier fit already used it (its fourth item)."""
     key = (id(data), id(model))
-    if key not in _DONE:
-        _DONE[key] = (data, model, optimize(data) if model is None else optimize(data, model))
+    if key in _DONE:
+        _DONE[key] = (*_DONE[key][:3], True)
+    else:
+        _DONE[key] = (data, model, optimize(data) if model is None else optimize(data, model),
+                      False)
     return _DONE[key][2]
 
 
@@ -164,8 +169,13 @@ def _optimized(data, name: str, record: dict):
 
 def _note(out, name: str, record: dict) -> None:
     report = out.tfspeed_report
-    record["changed"].append(f"{name}: {report.verdict}")
-    record["state"] = report.state if name == "x" else record.get("state", "")
+    state, verdict = report.state, report.verdict
+    if any(out is seen[2] or (isinstance(seen[2], tuple) and out is seen[2][0])
+           for seen in _DONE.values() if seen[3]):  # an earlier fit's: its store is written
+        verdict = f"the dataset an earlier fit optimised ({verdict})"
+        state = "reused" if state == "writing" else state
+    record["changed"].append(f"{name}: {verdict}")
+    record["state"] = state if name == "x" else record.get("state", "")
     record.setdefault("stores", {})[name] = report.store
 
 

@@ -415,7 +415,8 @@ def summary(n: int, record: dict) -> str:
 def first_epoch(record: dict) -> str:
     """What Keras' epoch 1 read: the optimised data as this run found its store."""
     return {"writing": "storing the optimised data as it reads it",
-            "complete": "replaying an earlier run's store"}.get(
+            "complete": "replaying an earlier run's store",
+            "reused": "replaying the store an earlier fit wrote"}.get(
                 record.get("state", ""), "the optimised data")
 
 
