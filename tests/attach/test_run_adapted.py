@@ -48,6 +48,8 @@ class StopAfter(keras.callbacks.Callback):  # on the user's model: the engine's 
 
 stopped = model.fit(train, validation_data=val, epochs=6, callbacks=[StopAfter()], verbose=0)
 print(f"STOPPED {stopped.epoch}")
+again = model.fit(train, validation_data=val, epochs=2, verbose=0)  # after a stopped fit
+print(f"AGAIN {again.epoch}")
 '''
 
 TEXT = '''
@@ -111,6 +113,7 @@ def test_uint8_images_train_the_users_model_and_its_evaluate_gives_the_reported_
     figures = script_figures(done)
     line = fit_lines(done)[0]
     assert "STOPPED [0, 1, 2]" in done.stdout
+    assert "AGAIN [0, 1]" in done.stdout  # the stop of the fit before is not carried over
     assert "uint8 images, scaled inside the returned model" in line, line
     assert "on tfspeed's engine" in line, line
     # The user's own model holds the trained weights: its evaluate on the float pipeline

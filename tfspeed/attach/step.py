@@ -207,6 +207,7 @@ def run_fit(model, fit, args: dict, record: dict,
     keras_clock, engine_clock = [], []
     record["epochs"] = {"keras": keras_clock, "engine": engine_clock}
     record["start"] = time.perf_counter()
+    model.stop_training = False  # as Keras' fit does: epoch 1 may train a model around it
     fit(args.get("engine_model", model), args["x"], validation_data=args.get("validation_data"),
         epochs=1, verbose=0, callbacks=[_relay(inner, keras_clock, first=True, user=model)])
     if model.stop_training:  # a callback stopped it after epoch 1: the run ends there
