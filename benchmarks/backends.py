@@ -63,8 +63,8 @@ def run(job: str, backend: str, round_: int) -> dict:
     """One job on one backend in a fresh process; the report's figures."""
     source, extra = jobs(_WORKDIR.value)[job]
     model_dir = os.path.join(_WORKDIR.value, "runs", f"{job}-{backend}-{round_}")
-    return bench.train_job(REPO, source, extra, os.path.join(_WORKDIR.value, "data", source), model_dir,
-                 {"KERAS_BACKEND": backend})
+    return bench.train_job(REPO, source, extra, os.path.join(_WORKDIR.value, "data", source),
+                           model_dir, {"KERAS_BACKEND": backend})
 
 
 def make_record(results: dict, complete: bool) -> dict:
@@ -72,12 +72,9 @@ def make_record(results: dict, complete: bool) -> dict:
     for job, per in results.items():
         figures[job] = {}
         for backend, rounds in per.items():
-            usable = [r for r in rounds if "failed" not in r]
-            figures[job][backend] = {
-                "rounds": rounds, "failed_rounds": len(rounds) - len(usable),
-                **{k: bench.summary([r.get(k) for r in usable])
-                   for k in ("throughput", "eval_accuracy", "eval_loss", "wall_seconds",
-                             "step_time_ms")}}
+            figures[job][backend] = bench.round_figures(
+                rounds, ("throughput", "eval_accuracy", "eval_loss", "wall_seconds",
+                         "step_time_ms"))
         medians = {b: (figures[job][b]["throughput"] or {}).get("median") for b in BACKENDS}
         if all(medians.values()):
             ratios[f"{job}: jax/tensorflow"] = medians["jax"] / medians["tensorflow"]

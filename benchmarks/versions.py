@@ -71,11 +71,8 @@ def main(argv):
     for job, per in results.items():
         figures[job] = {}
         for tree, rounds in per.items():
-            usable = [x for x in rounds if "failed" not in x]
-            figures[job][tree] = {
-                "rounds": rounds, "failed_rounds": len(rounds) - len(usable),
-                **{k: bench.summary([x.get(k) for x in usable])
-                   for k in ("throughput", "eval_accuracy", "wall_seconds", "step_time_ms")}}
+            figures[job][tree] = bench.round_figures(
+                rounds, ("throughput", "eval_accuracy", "wall_seconds", "step_time_ms"))
         medians = [(figures[job][t]["throughput"] or {}).get("median") for t in trees]
         if all(medians):
             ratios[f"{job}: head/base throughput"] = medians[1] / medians[0]

@@ -103,6 +103,14 @@ def summary(values: list) -> dict | None:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
+def round_figures(rounds: list[dict], keys) -> dict:
+    """A contender's figures over its rounds: every round, how many failed, and the
+    ``summary`` of each of ``keys`` over the others."""
+    usable = [r for r in rounds if "failed" not in r]
+    return {"rounds": rounds, "failed_rounds": len(rounds) - len(usable),
+            **{k: summary([r.get(k) for r in usable]) for k in keys}}
+
+
 def machine() -> dict:
     return {"cpus": os.cpu_count(), "machine": platform.machine(), "node": platform.node()}
 

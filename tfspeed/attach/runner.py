@@ -86,10 +86,12 @@ def run_script(path: str, argv: list[str], min_engine_seconds: float | None = No
         return history
 
     _DONE.clear()
+    _AGAIN.clear()
     try:
         script.run(path, argv, handler)
     finally:
         _DONE.clear()
+        _AGAIN.clear()
     return fits
 
 
@@ -99,15 +101,14 @@ def _optimized_with_model(model, args: dict, record: dict):
     layers, or the user's. The validation data goes through the same rewrite, or stays as
     written where the adapted model takes it; where it cannot be made to fit, both datasets
     are optimised without the model, and the line says why."""
-    from tfspeed.attach.optimize import optimize
 
-    x, adapted = _once(optimize, args["x"], model)
+    x, adapted = _once(args["x"], model)
     val = args.get("validation_data")
     if adapted is model or val is None or _same_inputs(x, val):
         _note(x, "x", record)
         args["x"], args["validation_data"] = x, _optimized(val, "validation_data", record)
         return adapted
-    val_out, _ = _once(optimize, val, model)
+    val_out, _ = _once(val, model)
     if _same_inputs(x, val_out):
         _note(x, "x", record)
         _note(val_out, "validation_data", record)
@@ -127,17 +128,19 @@ def _optimized_with_model(model, args: dict, record: dict):
 # from where its first left off does so on the optimised data too (a fresh rewrite would
 # start again from the first order).
 _DONE: dict[tuple[int, int], tuple] = {}
+_AGAIN: set[int] = set()  # ids of the optimised datasets that a later fit got again
 
 
-def _once(optimize, data, model=None):
-    """``optimize(data[, model])``, once per dataset and model; the entry remembers whether
-    an earlier fit already used it (its fourth item)."""
+def _once(data, model=None):
+    """``optimize(data[, model])``, once per dataset and model."""
+    from tfspeed.attach.optimize import optimize
+
     key = (id(data), id(model))
     if key in _DONE:
-        _DONE[key] = (*_DONE[key][:3], True)
+        out = _DONE[key][2]
+        _AGAIN.add(id(out[0] if isinstance(out, tuple) else out))
     else:
-        _DONE[key] = (data, model, optimize(data) if model is None else optimize(data, model),
-                      False)
+        _DONE[key] = (data, model, optimize(data) if model is None else optimize(data, model))
     return _DONE[key][2]
 
 
@@ -155,14 +158,13 @@ def _same_inputs(train, val) -> bool:
 def _optimized(data, name: str, record: dict):
     import tensorflow as tf
 
-    from tfspeed.attach.optimize import optimize
 
     if not isinstance(data, tf.data.Dataset):
         if data is not None and name == "x":
             record["changed"].append(f"fit({name}=...) is not a tf.data.Dataset "
                                      f"({type(data).__name__}): fed by Keras as written")
         return data
-    out = _once(optimize, data)
+    out = _once(data)
     _note(out, name, record)
     return out
 
@@ -170,8 +172,7 @@ def _optimized(data, name: str, record: dict):
 def _note(out, name: str, record: dict) -> None:
     report = out.tfspeed_report
     state, verdict = report.state, report.verdict
-    if any(out is seen[2] or (isinstance(seen[2], tuple) and out is seen[2][0])
-           for seen in _DONE.values() if seen[3]):  # an earlier fit's: its store is written
+    if id(out) in _AGAIN:  # an earlier fit's: its store is written
         verdict = f"the dataset an earlier fit optimised ({verdict})"
         state = "reused" if state == "writing" else state
     record["changed"].append(f"{name}: {verdict}")
