@@ -135,13 +135,30 @@ def test_steps_per_call_and_placement_are_the_plans_rules():
         plan.placement("device", "train", 1.0, 1e3, "", "tokens")
 
 
-def test_the_steps_per_call_and_placement_rules_are_written_once():
-    rules = re.compile(r"overhead\s*>\s*\w*OVERHEAD|estimate_mb\s*>\s*budget_mb")
+def test_the_cache_is_the_plans_rule():
+    read_once = plan.cache("auto", "validation", 7.0, 1.0, "--ram_budget_mb=1", True)
+    assert read_once == plan.Decision(
+        "none", "auto: 'validation' is read once, a cache cannot pay", "predicted")
+    fits = plan.cache("auto", "train", 7.0, 100.0, "half the RAM", False)
+    assert fits.value == "memory" and fits.reason == (
+        "auto: 'train' cached takes ~7 MB, the budget is 100 MB (half the RAM): in memory")
+    big = plan.cache("auto", "train", 7.0, 1.0, "--ram_budget_mb=1", False)
+    assert big.value == "disk" and big.reason.endswith(": on disk, under --cache_dir")
+    assert plan.cache("none", "train", 7.0, 1.0, "", False) == plan.Decision(
+        "none", "--cache=none", "given")
+    assert plan.cache("memory", "train", 7.0, 100.0, "", True).value == "memory"
+    with pytest.raises(UsageError, match=r"--cache=memory cannot hold the data: 'train' cached "
+                                         r"takes ~7 MB, the budget is 1 MB \(x\); use --cache=disk"):
+        plan.cache("memory", "train", 7.0, 1.0, "x", False)
+
+
+def test_the_steps_per_call_placement_and_cache_rules_are_written_once():
+    rules = re.compile(r"overhead\s*>\s*\w*OVERHEAD|estimate_mb\s*[<>]=?\s*budget_mb")
     found = [f"{path.relative_to(REPO)}:{n}" for path in sorted((REPO / "tfspeed").rglob("*.py"))
              for n, line in enumerate(path.read_text().splitlines(), 1)
              if rules.search(line) and path != REPO / "tfspeed" / "plan.py"]
     assert not found, found
-    assert len(rules.findall((REPO / "tfspeed" / "plan.py").read_text())) == 2
+    assert len(rules.findall((REPO / "tfspeed" / "plan.py").read_text())) == 3
 
 
 def test_the_plan_keeps_one_decision_a_name_and_reports_each():

@@ -13,7 +13,9 @@ prediction is within the model's error. XLA's ``auto``: on for an accelerator, a
 CPU only for packed rows (one static shape, one compile): ``xla`` and ``compiled_modes``.
 Steps per call: the smallest power of two whose call overhead is a small share of the call
 (``steps_per_call``; ``probes.autotune`` times the overhead and the step). The input's
-placement: in the step where the decoded split fits the RAM budget (``placement``).
+placement: in the step where the decoded split fits the RAM budget (``placement``). The
+cache of a split: none for a split read once, else in memory where it fits the budget, else
+on disk (``cache``).
 """
 
 from __future__ import annotations
@@ -325,6 +327,32 @@ def placement(requested: str, split: str, estimate_mb: float, budget_mb: float,
     if estimate_mb > budget_mb:
         return Decision("host", f"auto: {size}: tf.data", PREDICTED)
     return Decision("device", f"auto: {size}: held in the step", PREDICTED)
+
+
+# ---- the cache -----------------------------------------------------------------------------
+
+def cache(requested: str, split: str, estimate_mb: float, budget_mb: float,
+          budget_source: str, read_once: bool) -> Decision:
+    """``--cache`` for one split: ``memory``, ``disk`` or ``none``. ``auto`` caches nothing
+    for a split read once (``read_once``), in memory where its cached size fits the RAM
+    budget, and on disk otherwise.
+
+    Raises:
+      UsageError: ``memory`` was asked for where the split does not fit the budget.
+    """
+    size = (f"{split!r} cached takes ~{estimate_mb:,.0f} MB, the budget is "
+            f"{budget_mb:,.0f} MB ({budget_source})")
+    fits = estimate_mb <= budget_mb
+    if requested == "memory" and not fits:
+        raise UsageError(f"--cache=memory cannot hold the data: {size}; use --cache=disk "
+                         "(or --cache=none), or raise --ram_budget_mb")
+    if requested != AUTO:
+        return Decision(requested, f"--cache={requested}", GIVEN)
+    if read_once:
+        return Decision("none", f"auto: {split!r} is read once, a cache cannot pay", PREDICTED)
+    if fits:
+        return Decision("memory", f"auto: {size}: in memory", PREDICTED)
+    return Decision("disk", f"auto: {size}: on disk, under --cache_dir", PREDICTED)
 
 
 # ---- the job's plan ------------------------------------------------------------------------

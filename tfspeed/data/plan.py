@@ -11,9 +11,9 @@ import math
 import os
 from collections.abc import Callable
 
+from tfspeed import plan
 from tfspeed.config import DataConfig
 from tfspeed.data import ops
-from tfspeed.errors import UsageError
 
 DEFAULT_RAM_FRACTION = 0.5  # of the memory available when the run starts
 # Cap on a shuffle buffer that holds copies (not cached references). On 224 px raw photos
@@ -220,21 +220,9 @@ def plan_cache(config: DataConfig, schema, split: str, training: bool,
     estimate = records * (record_bytes(config, schema, split, encoded) + _ELEMENT_OVERHEAD)
     estimate_mb = estimate / 2**20
     budget_mb, source = ram_budget_mb(config)
-    fits = estimate_mb <= budget_mb
-    size = f"{split!r} cached takes ~{estimate_mb:,.0f} MB, the budget is {budget_mb:,.0f} MB ({source})"
-    if config.cache == "memory" and not fits:
-        raise UsageError(f"--cache=memory cannot hold the data: {size}; use --cache=disk "
-                         "(or --cache=none), or raise --ram_budget_mb")
-    if config.cache != "auto":
-        return CachePlan(config.cache, estimate_mb, budget_mb, f"--cache={config.cache}")
-    single = passes == 1 or (passes is None and not training)
-    if single:
-        return CachePlan("none", estimate_mb, budget_mb,
-                         f"auto: {split!r} is read once, a cache cannot pay")
-    if fits:
-        return CachePlan("memory", estimate_mb, budget_mb, f"auto: {size}: in memory")
-    return CachePlan("disk", estimate_mb, budget_mb,
-                     f"auto: {size}: on disk, under --cache_dir")
+    read_once = passes == 1 or (passes is None and not training)
+    decided = plan.cache(config.cache, split, estimate_mb, budget_mb, source, read_once)
+    return CachePlan(decided.value, estimate_mb, budget_mb, decided.reason)
 
 
 def _shuffle_buffer(config, schema, split, cache: CachePlan, encoded: bool) -> int:
