@@ -33,7 +33,7 @@ ORDERED = (*BATCHES, "_SkipDataset", "_TakeDataset", "_UnbatchDataset", "_Restru
 
 
 @dataclasses.dataclass
-class Plan:
+class Cut:
     """Where a pipeline is cut: ``stored`` builds the part to materialise (a dataset), ``replay``
     rebuilds the rest on top of a dataset of the stored elements. ``reason`` says why nothing
     is stored when ``stored`` is None; ``moved`` counts the maps moved before a shuffle."""
@@ -77,7 +77,7 @@ def impurity(op_types: set[str]) -> str:
     return ""
 
 
-def plan(dataset) -> Plan:
+def plan(dataset) -> Cut:
     """Finds the part of ``dataset``'s chain to store and how to replay the rest."""
     nodes = chain(dataset)
     stored, maps, moved, pending, i, batched = nodes[0], 0, 0, [], 1, False
@@ -99,15 +99,15 @@ def plan(dataset) -> Plan:
     stop = _stop_reason(nodes[i]) if i < len(nodes) else ""
     if maps == 0:
         first = f"; {stop} comes first" if stop else ""
-        return Plan(None, None, f"no deterministic map after the source{first}: nothing is "
+        return Cut(None, None, f"no deterministic map after the source{first}: nothing is "
                     "worth storing")
     suffix = pending + nodes[i:]
     unknown = [_name(n) for n in suffix if type(n).__name__ not in REBUILD]
     if unknown:
-        return Plan(None, None, f"tfspeed cannot rebuild {unknown[0]}, which follows the "
+        return Cut(None, None, f"tfspeed cannot rebuild {unknown[0]}, which follows the "
                     "deterministic part: left as written")
     buffered = max((int(n._buffer_size) for n in pending), default=0) if moved else 0
-    return Plan(stored, lambda base: _replay(base, suffix), stop, maps, moved, batched,
+    return Cut(stored, lambda base: _replay(base, suffix), stop, maps, moved, batched,
                 [_name(n) for n in suffix], buffered)
 
 

@@ -166,7 +166,7 @@ def _run(
 ) -> ConvertResult:
     """Writes ``job`` into ``output`` (locked): the missing shards, then ``schema.json``."""
     files = [t.file for t in job.tasks]
-    plan = plan_lib.Plan(output, job.template.fingerprint, files, job.template.storage)
+    plan = plan_lib.Manifest(output, job.template.fingerprint, files, job.template.storage)
     finished = None if overwrite else plan.finished()
     if finished:
         _save_files(output, layout.src.files)  # the directory is this conversion's
@@ -284,7 +284,7 @@ def _sample(layout: _Layout) -> list:
 
 
 def _write_missing(
-    plan: plan_lib.Plan,
+    plan: plan_lib.Manifest,
     job: _Job,
     results: dict[str, writer.ShardResult],
     runner: runners.Runner,

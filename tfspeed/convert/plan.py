@@ -1,4 +1,4 @@
-"""A conversion's state on disk: which shards are planned and which are finished (`Plan`).
+"""A conversion's state on disk: which shards are planned and which are finished (`Manifest`).
 
 An output directory holds:
   ``<split>-NNNNN-of-MMMMM.tfrecord``  the shards;
@@ -51,7 +51,7 @@ def verify(out_dir: str, shard: ShardResult | schema_lib.Shard) -> bool:
         return False
 
 
-class Plan:
+class Manifest:
     """The conversion's state on disk: which shards are planned and which are finished."""
 
     def __init__(

@@ -6,7 +6,7 @@
                Spark, chosen by Beam's own options (``--beam_options="--runner=FlinkRunner ..."``)
 
 Every runner writes each shard with `write_shard` (temporary file, fsync, rename, sha256) and
-records it in the `Plan` right after its rename. So both give the same bytes, and a conversion
+records it in the `Manifest` right after its rename. So both give the same bytes, and a conversion
 killed under one resumes under either, keeping the shards already recorded.
 """
 
@@ -23,7 +23,7 @@ from typing import Protocol
 
 from tfspeed.convert import pool as pool_lib
 from tfspeed.convert import writer
-from tfspeed.convert.plan import Plan
+from tfspeed.convert.plan import Manifest
 from tfspeed.convert.sources import Chunk
 from tfspeed.data.schema import Schema
 from tfspeed.errors import UsageError
@@ -40,7 +40,7 @@ class Runner(Protocol):
 
     def write(
         self,
-        plan: Plan,
+        plan: Manifest,
         tasks: Sequence[writer.ShardTask],
         make_chunk: Callable[[str, int, int], Chunk],
         template: Schema,
@@ -205,7 +205,7 @@ class BeamRunner:
 
 
 def _write_and_record(
-    work: tuple[writer.ShardTask, Chunk], plan: Plan, template: Schema
+    work: tuple[writer.ShardTask, Chunk], plan: Manifest, template: Schema
 ) -> writer.ShardResult:
     """Runs on a Beam worker: writes one shard, then records it (after its rename)."""
     task, chunk = work
