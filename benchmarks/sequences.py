@@ -1,6 +1,6 @@
 """Variable-length text: the TF guide's ways of batching it against tfspeed's bucket and pack.
 
-    python benchmarks/sequences.py [--items=0] [--rounds=3] [--epochs=3]
+    python benchmarks/sequences.py [--items=0] [--rounds=3] [--epochs=3] [--base=CHECKOUT]
         [--datasets=pystdlib,pydoc_lm,pydocs]
 
 Real text only, each set converted once by the real converter (``scripts/to_tfrecord.py
@@ -35,6 +35,10 @@ after every pass:
   tfspeed_pack               ``python -m tfspeed.train --batching=pack --batch_size=B``;
   tfspeed_auto               ``python -m tfspeed.train --batching=auto --batch_size=B``:
                              what auto chose, against the faster of bucket and pack.
+  base_tfspeed_<mode>        with --base=CHECKOUT: the same driver command run from an older
+                             checkout (its working directory and PYTHONPATH), on the same
+                             converted data: did a change lose speed? (``--contenders=
+                             tfspeed_auto,base_tfspeed_auto``; the ratio is this one / base).
 
 Peers take B sequences per update. tfspeed runs with its defaults for --batch_size=B: a
 classifier's buckets hold B texts each, as the peer's; packed batches and a language
@@ -108,10 +112,14 @@ _RESULTS = flags.DEFINE_string("results_dir", os.path.join(REPO, "benchmarks", "
                                "Where the record is written ('' = print only).")
 _CONTENDER = flags.DEFINE_string("contender", "", "Internal: run this peer alone.")
 _DATA_DIR = flags.DEFINE_string("data_dir", "", "Internal: the peer's dataset.")
+_BASE = flags.DEFINE_string("base", "", "An older checkout of tfspeed: adds base_tfspeed_<mode> "
+                            "contenders, the same driver commands run from that checkout "
+                            "(did a change lose speed?).")
 
 PEERS = ("guide_padded_batch", "fixed_max_length", "bucket_by_sequence_length")
 TFSPEED = {"tfspeed_bucket": "bucket", "tfspeed_pack": "pack", "tfspeed_auto": "auto"}
 CONTENDERS = (*PEERS, *TFSPEED)
+BASE = "base_"  # base_tfspeed_<mode>: the driver of the --base checkout
 GUIDE_BOUNDARIES = (16, 32, 64, 128, 256, 512)
 PAD = 0  # the converter's <pad> id (schema.json text.tokenizer.special_ids)
 
@@ -406,9 +414,11 @@ def run_tfspeed(contender: str, data_dir: str, facts: dict, seed: int = 0) -> di
     """Runs the driver into a fresh model dir and reads its report.json."""
     model_dir = os.path.join(_WORKDIR.value, "runs", f"{os.path.basename(data_dir)}-{contender}")
     shutil.rmtree(model_dir, ignore_errors=True)
+    tree = os.path.abspath(_BASE.value) if contender.startswith(BASE) else REPO
+    contender = contender.removeprefix(BASE)
     command = tfspeed_command(TFSPEED[contender], data_dir, model_dir, facts, seed)
-    proc = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+    proc = subprocess.Popen(command, cwd=tree, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, "PYTHONPATH": tree})
     _, err = proc.communicate()
     report_path = os.path.join(model_dir, "report.json")
     if proc.returncode or not os.path.exists(report_path):
@@ -456,7 +466,7 @@ def in_process_of_its_own(contender: str, data_dir: str, facts: dict, seed: int)
     """One contender's run in a fresh process, with ``seed`` (initialisation and shuffle);
     adds the process's wall seconds and the seed."""
     start = time.perf_counter()
-    if contender in TFSPEED:
+    if contender.removeprefix(BASE) in TFSPEED:
         result = run_tfspeed(contender, data_dir, facts, seed)
     else:
         result = bench.run_contender([sys.executable, os.path.abspath(__file__),
@@ -536,6 +546,9 @@ def ratios_of(figures: dict) -> dict:
         ours = [median[c] for c in ("tfspeed_bucket", "tfspeed_pack") if median.get(c)]
         if peers and ours:
             ratios[f"best_tfspeed/best_peer{suffix}"] = max(ours) / max(peers)
+        for name in TFSPEED:  # this checkout against --base's, mode by mode
+            if median.get(name) and median.get(BASE + name):
+                ratios[f"{name}/{BASE}{name}{suffix}"] = median[name] / median[BASE + name]
         if ours and median.get("tfspeed_auto"):  # auto against the faster of its choices
             ratios[f"tfspeed_auto/faster_of_bucket_and_pack{suffix}"] = (
                 median["tfspeed_auto"] / max(ours))
@@ -584,6 +597,13 @@ def main(argv):
         print(bench.RESULT + json.dumps(run_peer(_CONTENDER.value, _DATA_DIR.value, facts)))
         return
     contenders = _CONTENDERS.value or list(CONTENDERS)
+    if _BASE.value and not os.path.isdir(os.path.join(_BASE.value, "tfspeed")):
+        raise app.UsageError("--base must be a checkout of tfspeed (a folder holding tfspeed/)")
+    unknown = [c for c in contenders if c not in CONTENDERS and not (
+        _BASE.value and c.removeprefix(BASE) in TFSPEED)]
+    if unknown:
+        raise app.UsageError(f"--contenders: unknown {unknown}; known: {list(CONTENDERS)}"
+                             + (f" and {BASE}<tfspeed contender>" if _BASE.value else ""))
     datasets = {name: prepare(name) for name in _DATASETS.value}
     name = f"sequences-{datetime.date.today().isoformat()}{'-' + _TAG.value if _TAG.value else ''}"
     path = os.path.join(_RESULTS.value, name + ".json") if _RESULTS.value else None
@@ -622,6 +642,8 @@ def make_record(datasets: dict, contenders: list[str], results: dict, complete: 
                       "user's own corpus resembles: the case where packing into rows as long "
                       "as the longest text costs attention that padding figures do not show",
         "contenders": contenders, "rounds": _ROUNDS.value, "batch_size": _BATCH.value,
+        **({"base": {"path": _BASE.value, "commit": bench.commit(_BASE.value),
+                     "head": bench.commit(REPO)}} if _BASE.value else {}),
         "max_length": _MAX_LENGTH.value, "model": {"width": _WIDTH.value, "depth": _DEPTH.value,
                                                    "heads": _HEADS.value},
         "precision": "float32 for every contender (the comparison is of batching)",

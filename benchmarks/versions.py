@@ -24,7 +24,6 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import subprocess
 import sys
 
 from absl import app, flags
@@ -42,12 +41,6 @@ _RESULTS = flags.DEFINE_string("results_dir", os.path.join(REPO, "benchmarks", "
 
 JOBS = {"digits": ("digits", ["--flagfile=pipelines/digits.flags", "--epochs=6"]),
         "text": ("pystdlib", ["--flagfile=pipelines/text.flags", "--train_steps=150"])}
-
-
-def commit(repo: str) -> str:
-    done = subprocess.run(["git", "-C", repo, "rev-parse", "--short", "HEAD"],
-                          capture_output=True, text=True)
-    return done.stdout.strip() or "?"
 
 
 def main(argv):
@@ -76,7 +69,7 @@ def main(argv):
         medians = [(figures[job][t]["throughput"] or {}).get("median") for t in trees]
         if all(medians):
             ratios[f"{job}: head/base throughput"] = medians[1] / medians[0]
-    config = {"rounds": _ROUNDS.value, "commits": {t: commit(p) for t, p in trees.items()},
+    config = {"rounds": _ROUNDS.value, "commits": {t: bench.commit(p) for t, p in trees.items()},
               "jobs": {job: {"prepare_source": s, "flags": e} for job, (s, e) in JOBS.items()
                        if job in results},
               "timing": "the report's median throughput over its measured steps; "

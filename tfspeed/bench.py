@@ -111,6 +111,15 @@ def round_figures(rounds: list[dict], keys) -> dict:
             **{k: summary([r.get(k) for r in usable]) for k in keys}}
 
 
+def commit(tree: str) -> str:
+    """The short commit of the checkout at ``tree`` ('?' where it is not a git checkout)."""
+    import subprocess
+
+    done = subprocess.run(["git", "-C", tree, "rev-parse", "--short", "HEAD"],
+                          capture_output=True, text=True)
+    return done.stdout.strip() or "?"
+
+
 def machine() -> dict:
     return {"cpus": os.cpu_count(), "machine": platform.machine(), "node": platform.node()}
 
