@@ -1,8 +1,9 @@
 """``python -m tfspeed.diagnose --flagfile=...``: where does the time go, and what to try next.
 
-``python -m tfspeed.diagnose train.py [its arguments]`` runs your own script up to its first
-``model.fit`` and gives the same kind of verdict on its dataset and model (see
-``tfspeed.attach.verdict``).
+``python -m tfspeed.diagnose [--diagnose_seconds=S] train.py [its arguments]`` runs your own
+script up to its first ``model.fit`` and gives the same kind of verdict on its dataset and
+model (see ``tfspeed.attach.verdict``); each of its timings takes about S seconds (default 4)
+after its warm-up.
 
 With flags, it takes the same flags as ``python -m tfspeed.train``. It times the input alone, the model's step
 alone, both together and a profiler capture, each for --diagnose_steps steps or
@@ -50,11 +51,27 @@ def _usage() -> str:
                                  "diagnose": [_STEPS, _WARMUP, _SECONDS]})
 
 
-def run_main() -> None:
-    if len(sys.argv) > 1 and sys.argv[1].endswith(".py"):  # a user's own script, as it is
-        from tfspeed.attach.runner import diagnose_script
+def _script(argv: list[str]) -> None:
+    """``[--diagnose_seconds=S] SCRIPT.py [its arguments]``: a verdict on the script's first fit."""
+    from tfspeed.attach.runner import diagnose_script
 
-        main_entry(lambda: diagnose_script(sys.argv[1], sys.argv[2:]) and None)
+    argv, seconds = list(argv), None
+    while argv[0].startswith("--"):  # tfspeed's own option, before the script
+        name, _, value = argv.pop(0).partition("=")
+        try:
+            seconds = float(value) if name == "--diagnose_seconds" else None
+        except ValueError:
+            seconds = None
+        if seconds is None or seconds <= 0:
+            raise UsageError(f"python -m tfspeed.diagnose {name}={value}: before a script, its "
+                             "one option is --diagnose_seconds=SECONDS (a number over 0)")
+    diagnose_script(argv[0], argv[1:], seconds=seconds)
+
+
+def run_main() -> None:
+    script = next((i for i, a in enumerate(sys.argv[1:], 1) if not a.startswith("--")), None)
+    if script is not None and sys.argv[script].endswith(".py"):  # a user's own script
+        main_entry(lambda: _script(sys.argv[1:]))
     exit_on_help(_usage)
     main_entry(lambda: app.run(main, flags_parser=tfspeed_flags.parse))
 

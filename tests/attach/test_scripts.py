@@ -289,8 +289,8 @@ def test_what_the_engine_cannot_take_runs_on_keras_fit_with_one_line(scripts):
 
 def test_diagnose_gives_a_verdict_on_the_scripts_first_fit_and_stops_it(scripts):
     root, photos = scripts
-    done = tfspeed("diagnose", "tutorial.py", f"--data={photos}", "--out=unused.keras",
-                   cwd=root, cache=root / "cache-d")
+    done = tfspeed("diagnose", "--diagnose_seconds=2", "tutorial.py", f"--data={photos}",
+                   "--out=unused.keras", cwd=root, cache=root / "cache-d")
     assert done.returncode == 0, done.stderr[-2000:]
     assert "tfspeed diagnose: " in done.stdout and "next steps, by expected gain:" in done.stdout
     assert "SCRIPT" not in done.stdout  # the script stopped at its first fit
@@ -316,7 +316,8 @@ def test_diagnose_says_a_compute_bound_script_is_not_limited_by_its_input(script
 
 def test_arrays_are_diagnosed_and_fed_as_written(scripts):
     root, _ = scripts
-    done = tfspeed("diagnose", "arrays.py", cwd=root, cache=root / "cache-a")
+    done = tfspeed("diagnose", "--diagnose_seconds=1", "arrays.py", cwd=root,
+                   cache=root / "cache-a")
     assert done.returncode == 0, done.stderr[-2000:]
     assert "step alone" in done.stdout
     ran = tfspeed("run", "arrays.py", cwd=root, cache=root / "cache-a")
@@ -337,3 +338,14 @@ def test_a_script_tfspeed_cannot_use_is_one_line(scripts, command, script, messa
     assert done.returncode == 2
     assert "Traceback" not in done.stderr
     assert message in done.stderr.strip().splitlines()[-1]
+
+
+def test_diagnose_takes_its_seconds_before_the_script_and_says_what_it_takes(scripts):
+    root, _ = scripts
+    done = tfspeed("diagnose", "--diagnose_seconds=soon", "nofit.py", cwd=root,
+                   cache=root / "cache-e")
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert done.stderr.strip().splitlines()[-1] == (
+        "error: python -m tfspeed.diagnose --diagnose_seconds=soon: before a script, its one "
+        "option is --diagnose_seconds=SECONDS (a number over 0)")
+    # Given well, it is taken: the verdict tests above run with it.
