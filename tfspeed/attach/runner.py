@@ -67,7 +67,8 @@ def run_script(path: str, argv: list[str], min_engine_seconds: float | None = No
         written = {name: args.get(name) for name in ("x", "validation_data")}
         if reason is None:
             try:  # on the data as written: the adapted model's outputs are the same
-                goals = step.objectives(model, written["x"])
+                first = step.first_batch(written["x"])
+                goals = step.objectives(model, first)
             except step.NotOnEngine as e:  # met before any epoch ran
                 reason = str(e)
         if reason is not None:  # Keras' fit on the model as given: no adapted model
@@ -79,7 +80,7 @@ def run_script(path: str, argv: list[str], min_engine_seconds: float | None = No
             print(_summary(len(fits), record) + f"; the step ran on Keras' own fit: {reason}")
             return history
         engine_model = _optimized_with_model(model, args, record)
-        history = step.run_fit(model, fit, {**args, "written": written,
+        history = step.run_fit(model, fit, {**args, "written": written, "first": first,
                                             "engine_model": engine_model, "goals": goals},
                                record, limits["seconds"], limits["speedup"])
         print(step.summary(len(fits), record) + "; data: " + "; ".join(record["changed"]))

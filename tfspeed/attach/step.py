@@ -98,14 +98,14 @@ def _pairs(data) -> bool:
     return isinstance(spec, tuple) and len(spec) == 2
 
 
-def objectives(model, train) -> tuple:
+def objectives(model, first) -> tuple:
     """The compiled loss and metrics as the engine takes them: one value per example, with
     Keras' semantics (its own functions, arguments and "accuracy" resolution).
 
     Args:
       model: the compiled model.
-      train: its training dataset of ``(x, y)`` batches (the first batch resolves
-        "accuracy" as Keras' ``compile`` does: binary, sparse or categorical).
+      first: the first ``(x, y)`` batch of its training data (``first_batch``): it resolves
+        "accuracy" as Keras' ``compile`` does (binary, sparse or categorical).
 
     Returns:
       ``(loss, metrics)``: a function, and functions named as Keras names the metrics.
@@ -129,7 +129,7 @@ def objectives(model, train) -> tuple:
     metrics = config.get("metrics") or []
     if isinstance(metrics, dict) or any(isinstance(m, (list, dict)) for m in metrics):
         raise NotOnEngine("metrics are given per output")
-    x, y = first_batch(train)
+    x, y = first
     outputs = model(x, training=False)
     out = []
     for given in metrics:
@@ -193,10 +193,11 @@ def run_fit(model, fit, args: dict, record: dict,
     """
     import keras
 
-    # Read from the data as written (the same batches): a copy of the optimised data, where
-    # it reads a store, cannot be rebuilt, and reading it would advance its shuffle.
-    record["batch"] = int(keras.tree.flatten(
-        first_batch(args.get("written", args)["x"])[1])[0].shape[0])
+    # The data as written's first batch (the same batches; ``args["first"]``): a copy of the
+    # optimised data, where it reads a store, cannot be rebuilt, and reading it would advance
+    # its shuffle.
+    first = args.get("first") or first_batch(args.get("written", args)["x"])
+    record["batch"] = int(keras.tree.flatten(first[1])[0].shape[0])
     epochs, verbose = args.get("epochs", 1), args.get("verbose", "auto")
     verbose = 1 if verbose == "auto" else verbose
     history = keras.callbacks.History()
@@ -207,21 +208,28 @@ def run_fit(model, fit, args: dict, record: dict,
     keras_clock, engine_clock = [], []
     record["epochs"] = {"keras": keras_clock, "engine": engine_clock}
     record["start"] = time.perf_counter()
+
+    def move() -> bool:
+        """At epoch 1's end: whether the epochs left move to the engine; else they go on in
+        the same Keras fit (a second fit would cost its setup again), and the record says why."""
+        if len(keras_clock) != 1 or epochs < 2:
+            return False
+        rest = _keras_seconds(keras_clock[0]) * (epochs - 1)
+        if rest < min_engine_seconds:
+            record["keras_rest"] = (
+                f"the {epochs - 1} epochs left would take ~{rest:.1f} s on Keras' fit (epoch 1 "
+                f"measured), under {min_engine_seconds:g} s: too short to repay the engine's "
+                "setup and compile; --min_engine_seconds=0 moves them anyway")
+        elif varying := _varying(args["x"]):
+            record["keras_rest"] = varying
+        return "keras_rest" not in record
+
     model.stop_training = False  # as Keras' fit does: epoch 1 may train a model around it
+    relay = _relay(inner, keras_clock, first=True, user=model, slower=move)
     fit(args.get("engine_model", model), args["x"], validation_data=args.get("validation_data"),
-        epochs=1, verbose=0, callbacks=[_relay(inner, keras_clock, first=True, user=model)])
-    if model.stop_training:  # a callback stopped it after epoch 1: the run ends there
-        inner.on_train_end(history.history and {k: v[-1] for k, v in history.history.items()})
-    elif (rest := _keras_seconds(keras_clock[0]) * (epochs - 1)) < min_engine_seconds:
-        record["keras_rest"] = (
-            f"the {epochs - 1} epochs left would take ~{rest:.1f} s on Keras' fit (epoch 1 "
-            f"measured), under {min_engine_seconds:g} s: too short to repay the engine's setup "
-            "and compile; --min_engine_seconds=0 moves them anyway")
-        _rest_on_keras(model, fit, args, epochs, inner, record)
-    elif varying := _varying(args["x"]):
-        record["keras_rest"] = varying
-        _rest_on_keras(model, fit, args, epochs, inner, record)
-    else:
+        epochs=epochs, verbose=0, callbacks=[relay])
+    if relay.handed_back:  # epoch 1 ended with the rest moving to the engine
+        args.get("engine_model", model).stop_training = False  # the relay's stop, not a user's
         _rest_on_engine(model, fit, args, epochs, inner, record, min_speedup)
     record["end"] = time.perf_counter()
     return history
@@ -313,13 +321,14 @@ def _engine_fit(model, train, val, epochs: int, loss, metrics, model_dir: str, r
 
 def _relay(inner, clock: list, first: bool = False, offset: int = 0, user=None,
            slower=None):
-    """A callback for one phase (Keras' epoch, the engine's): passes each hook on to the
+    """A callback for one phase (Keras' epochs, the engine's): passes each hook on to the
     script's callbacks (``inner``), epochs numbered from ``offset``; only the first phase
     begins training, only the last ends it. Times each epoch into ``clock``.
 
-    The engine's (``user`` given) may train a model around the user's: a stop the script's
-    callbacks set on the user's model stops it too; and where ``slower()`` says so at an
-    epoch's end, it stops there without ending the run (Keras' fit goes on)."""
+    A phase may train a model around the user's (``user``): a stop the script's callbacks
+    set on the user's model stops it too. Where ``slower()`` says so at an epoch's end, the
+    phase stops there without ending the run (``handed_back``): Keras' fit goes on after the
+    engine's, the engine after Keras' epoch 1."""
     import keras
 
     def stop(model):
@@ -334,7 +343,7 @@ def _relay(inner, clock: list, first: bool = False, offset: int = 0, user=None,
                 inner.on_train_begin(logs)
 
         def on_train_end(self, logs=None):
-            if not first and not self.handed_back:
+            if not self.handed_back:
                 inner.on_train_end(logs)
 
         def on_epoch_begin(self, epoch, logs=None):
