@@ -5,7 +5,6 @@ accuracy, and what JAX does not run is one line."""
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 
@@ -29,8 +28,8 @@ def test_the_digits_job_trains_on_jax_with_its_defaults(digits_dir, tmp_path):
     assert reference["runtime"]["backend"] == "tensorflow"
     assert report["input"]["placement"]["where"] == "device"
     assert report["optimizer_updates"] == reference["optimizer_updates"] > 0
-    assert abs(report["eval_accuracy"] - reference["eval_accuracy"]) < 0.05, (
-        report["eval_accuracy"], reference["eval_accuracy"])
+    assert report["eval_accuracy"] > 0.8, report["eval_accuracy"]  # ten classes: chance is 0.1
+    jr.accuracies_agree(report["eval_accuracy"], reference["eval_accuracy"], digits_dir)
     assert report["steps_per_execution"]["auto"]
     assert (tmp_path / "jax" / "model.weights.h5").exists()
 
@@ -66,13 +65,7 @@ def test_the_text_job_reaches_the_tensorflow_backends_accuracy(short_texts, tmp_
     assert len(report["input"]["batching"]["boundaries"]) < len(
         reference["input"]["batching"]["boundaries"])
     assert report["eval_accuracy"] > 0.5 and report["real_tokens_per_sec"] is not None
-    # Two differently initialised runs, each scored on the same 130 held-out texts: the
-    # gap may be three standard errors of a difference of two proportions, not more (0.08
-    # was 2.1 of them, and failed once in CI at 0.085: 0.846 against 0.931).
-    held_out = json.loads((Path(short_texts) / "schema.json").read_text())
-    n = held_out["splits"]["validation"]["num_records"]
-    a, b = report["eval_accuracy"], reference["eval_accuracy"]
-    assert abs(a - b) < 3 * np.sqrt((a * (1 - a) + b * (1 - b)) / n), (a, b, n)
+    jr.accuracies_agree(report["eval_accuracy"], reference["eval_accuracy"], short_texts)
     # An evaluation after the first pass too, on both backends (the call is cut there).
     for run in (report, reference):
         history = run["eval_history"]
