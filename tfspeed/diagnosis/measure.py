@@ -336,21 +336,43 @@ def _batches(job):
     return job.train_data if ingraph.is_in_step(job.train_data) else iter(job.train_data)
 
 
+STAGE_ROUNDS = 3
+
+
 def _stage_times(job, options: Options) -> dict[str, float]:
-    """Milliseconds each pipeline stage adds per batch, from pipelines cut after each stage."""
+    """Milliseconds each pipeline stage adds per batch, from pipelines cut after each stage.
+
+    A stage's share is a difference of two timings, so a burst of another process's work
+    during one cut's window moves it to the wrong stage (a shuffle once measured slower than
+    decoding beside a busy test). The cuts are timed in ``STAGE_ROUNDS`` interleaved rounds,
+    each cut's iterator warmed once, and each cut keeps the median of its rounds."""
+    import statistics
+
     from tfspeed.data import pipeline
 
     config, batch = job.train_data_config, job.config.data.batch_size
-    times, previous = {}, 0.0
+    iterators = {}
     for stage in pipeline.STAGES:
         _say("stages: the pipeline up to %s", stage)
         ds = pipeline.build_from_config(config, config.train_split, training=True,
                                         schema=job.schema, until=stage)
         if stage != "batch":
             ds = ds.repeat().batch(batch)  # count whole batches of elements, like the model
-        timing = _time_iterator(iter(ds), options,
-                                options.warmup + min(job.steps_per_epoch, 200))
-        per_batch_ms = 1000 / timing.rate
+        iterators[stage] = iter(ds)
+        # Past the fill of a shuffle buffer: up to an epoch's batches, as the job runs.
+        _bounded(lambda it=iterators[stage]: next(it),
+                 options.warmup + min(job.steps_per_epoch, 200), options.seconds)
+    steps = options.steps
+    seconds = options.seconds / STAGE_ROUNDS
+    rounds = {stage: [] for stage in pipeline.STAGES}
+    for _ in range(STAGE_ROUNDS):
+        for stage, iterator in iterators.items():
+            start = time.perf_counter()
+            done = _bounded(lambda it=iterator: next(it), steps, seconds)
+            rounds[stage].append(1000 * (time.perf_counter() - start) / done)
+    times, previous = {}, 0.0
+    for stage in pipeline.STAGES:
+        per_batch_ms = statistics.median(rounds[stage])
         times[stage] = max(per_batch_ms - previous, 0.0)
         previous = max(per_batch_ms, previous)
     return times
