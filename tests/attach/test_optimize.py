@@ -290,3 +290,44 @@ def test_a_moved_shuffle_buffer_of_computed_elements_stays_within_the_ram_budget
         assert out.tfspeed_report.verdict.startswith("left as written")
         assert "over the RAM budget" in out.tfspeed_report.verdict
     assert same(elements(out), elements(rows()))
+
+
+def test_a_pipeline_of_strings_is_stored_and_gives_the_same_strings(tmp_path):
+    """Strings of unknown size are sized from one computed element: its characters (a scalar
+    string's ``numpy()`` is ``bytes``, which has no ``nbytes``: optimize raised)."""
+    text = tmp_path / "lines.txt"
+    text.write_text("The first line\nA second line, With Words\nthird\n")
+
+    def lines():
+        return tf.data.TextLineDataset(str(text)).map(tf.strings.lower)
+
+    for state in ("writing", "complete"):
+        out = optimize(lines(), cache_dir=str(tmp_path / "c"), quiet=True)
+        assert out.tfspeed_report.state == state
+        assert list(out.as_numpy_iterator()) == [b"the first line", b"a second line, with words",
+                                                 b"third"]
+
+
+def test_your_cache_in_memory_is_replaced_by_the_store_and_a_file_cache_is_kept(tmp_path):
+    """The text tutorial ends with ``.map(vectorize).cache().prefetch()``: the cache in memory
+    ends the deterministic part, which is stored (no second copy in RAM); a cache to a file
+    is the user's own state, rebuilt as written after the store."""
+    def tutorial(cache=""):
+        ds = tf.data.Dataset.range(40).map(lambda i: tf.fill([3], i * 2)).batch(4)
+        return ds.map(lambda x: x + 1).cache(cache).prefetch(2)
+
+    expected = elements(tutorial())
+    for state in ("writing", "complete"):
+        out = optimize(tutorial(), cache_dir=str(tmp_path / "c"), quiet=True)
+        report = out.tfspeed_report
+        assert report.state == state and same(elements(out), expected)
+        assert any("your .cache() in memory replaced" in c for c in report.changed), report
+        kinds = [type(n).__name__ for n in graph.chain(out)]
+        assert "CacheDataset" in kinds  # the store's own, in RAM
+        assert sum(k == "CacheDataset" for k in kinds) == 1 + 1  # the file, and RAM
+    on_file = optimize(tutorial(str(tmp_path / "mine")), cache_dir=str(tmp_path / "f"),
+                       quiet=True)
+    assert same(elements(on_file), expected)
+    assert not any("your .cache()" in c for c in on_file.tfspeed_report.changed)
+    assert [n._filename.numpy() for n in graph.chain(on_file)
+            if type(n).__name__ == "CacheDataset"][-1] == str(tmp_path / "mine").encode()

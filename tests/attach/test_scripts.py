@@ -234,7 +234,7 @@ def test_a_short_fit_stays_on_keras_and_every_epoch_reads_the_optimised_data(scr
     assert done.returncode == 0, done.stderr[-2000:]
     assert "MOVED BACK" in done.stdout and "SCRIPT epochs=3 begins=3 predictions=8" in done.stdout
     (line,) = [line for line in done.stdout.splitlines() if line.startswith("tfspeed.run")]
-    assert "epoch 1 on Keras' fit (storing the optimised data as it reads it); epochs 2 on " \
+    assert "epoch 1 on Keras' fit (storing the optimised data as it reads it); epochs 2-3 " \
         "stayed on Keras' fit: the 2 epochs left would take" in line, line
 
 

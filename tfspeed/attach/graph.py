@@ -46,6 +46,7 @@ class Cut:
     batched: bool = False
     suffix: list = dataclasses.field(default_factory=list)
     buffered: int = 0  # stored elements a moved shuffle holds at once (its buffer)
+    cache: bool = False  # the user's .cache() in memory was folded into the store
 
 
 def chain(dataset) -> list:
@@ -81,17 +82,26 @@ def plan(dataset) -> Cut:
     """Finds the part of ``dataset``'s chain to store and how to replay the rest."""
     nodes = chain(dataset)
     stored, maps, moved, pending, i, batched = nodes[0], 0, 0, [], 1, False
+    cache = False  # the user's own .cache() in memory, inside the stored part
     while i < len(nodes):
         node, kind = nodes[i], type(nodes[i]).__name__
         if kind == "_ShuffleDataset":
             pending.append(node)
         elif kind in MAPS and not impurity(function_ops(node)):
-            # Before any shuffle the user's own object is the stored part; after one, the map
-            # is rebuilt on the stored part and the shuffles replay after it.
-            stored = rebuild(node, stored) if pending else node
+            # Before any shuffle (or the user's cache) the user's own object is the stored
+            # part; after one, the map is rebuilt on the stored part and the shuffles replay
+            # after it.
+            stored = rebuild(node, stored) if pending or cache else node
             maps, moved = maps + 1, moved + bool(pending)
+        elif kind == "CacheDataset" and not pending and maps and _in_memory(node):
+            # The store holds what it held, in RAM where it fits the budget, and every
+            # later run reads it too: the user's cache would only hold a second copy.
+            cache = True
         elif kind in PASSTHROUGH or (kind in ORDERED and not pending):
-            stored = stored if pending else node
+            if not pending and kind not in PASSTHROUGH:
+                stored = rebuild(node, stored) if cache else node
+            elif not pending and not cache:
+                stored = node
             batched = batched or (kind in BATCHES and maps > 0)
         else:
             break
@@ -108,7 +118,15 @@ def plan(dataset) -> Cut:
                     "deterministic part: left as written")
     buffered = max((int(n._buffer_size) for n in pending), default=0) if moved else 0
     return Cut(stored, lambda base: _replay(base, suffix), stop, maps, moved, batched,
-                [_name(n) for n in suffix], buffered)
+                [_name(n) for n in suffix], buffered, cache)
+
+
+def _in_memory(node) -> bool:
+    """Whether a ``.cache()`` holds its elements in memory (no file named)."""
+    try:
+        return not node._filename.numpy()
+    except (AttributeError, TypeError):  # a graph tensor: not one to read here
+        return False
 
 
 def _name(node) -> str:
@@ -207,11 +225,15 @@ def _options(node, base):
     return base.with_options(node._options_attr)
 
 
+def _cache(node, base):
+    return base.cache(node._filename)
+
+
 REBUILD: dict[str, Callable] = {
     "_MapDataset": _map, "_ParallelMapDataset": _map, "_ShuffleDataset": _shuffle,
     "_BatchDataset": _batch, "_ParallelBatchDataset": _batch, "_PrefetchDataset": _prefetch,
     "_RepeatDataset": _repeat, "_TakeDataset": _take, "_SkipDataset": _skip,
-    "_UnbatchDataset": _unbatch, "_OptionsDataset": _options,
+    "_UnbatchDataset": _unbatch, "_OptionsDataset": _options, "CacheDataset": _cache,
     # Made by the op after it (unbatch normalises its input to dense): rebuilt by that op.
     "_RestructuredDataset": lambda node, base: base,
 }

@@ -209,6 +209,9 @@ def _describe(plan, report: Report, files: int, in_ram: bool) -> None:
     if plan.moved:
         report.changed.append(f"{plan.moved} map(s) moved before the shuffle of elements "
                               "(the same seeds, so the same orders)")
+    if plan.cache:
+        report.changed.append("your .cache() in memory replaced by the store (the same "
+                              "elements; later runs read them too)")
     if plan.suffix:
         report.unchanged.append(f"replayed every epoch as written: {', '.join(plan.suffix)}")
     if plan.reason:
@@ -235,7 +238,7 @@ def _budget(stored, held, ram_budget_mb) -> dict | str:
             first = next(iter(stored.take(1)), None)
             if first is None:
                 return "the pipeline is empty"
-            per = sum(int(t.numpy().nbytes) for t in tf.nest.flatten(first)
+            per = sum(_nbytes(t.numpy()) for t in tf.nest.flatten(first)
                       if hasattr(t, "numpy"))
         total = per * count if count >= 0 else None
         free = shutil.disk_usage(os.path.dirname(held.folder)).free
@@ -247,6 +250,18 @@ def _budget(stored, held, ram_budget_mb) -> dict | str:
            else RAM_SHARE * _available_memory())
     return {"bytes": total, "count": count, "ram": ram,
             "fits_ram": total is not None and total <= ram}
+
+
+def _nbytes(value) -> int:
+    """Bytes of one computed component: a string's (``bytes``, or an array of them) are
+    its characters, not the pointers NumPy counts."""
+    import numpy as np
+
+    if isinstance(value, bytes):
+        return len(value)
+    if value.dtype == object:
+        return sum(len(v) for v in value.ravel())
+    return int(np.asarray(value).nbytes)
 
 
 def _check_buffer(plan, budget: dict) -> dict | str:

@@ -389,7 +389,8 @@ def summary(n: int, record: dict) -> str:
     keras_epochs, engine_epochs = record["epochs"]["keras"], record["epochs"]["engine"]
     first = f"epoch 1 on Keras' fit ({first_epoch(record)})"
     if "keras_rest" in record:
-        return (f"tfspeed.run: fit {n}: {first}; epochs 2 on stayed on Keras' fit: "
+        return (f"tfspeed.run: fit {n}: {first}; {_span(2, len(keras_epochs))} stayed on "
+                "Keras' fit: "
                 f"{record['keras_rest']}; epoch seconds {_seconds(keras_epochs)}")
     if "handed_back" in record:
         on, last = 1 + len(engine_epochs), len(keras_epochs) + len(engine_epochs)
