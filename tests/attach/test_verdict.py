@@ -60,3 +60,62 @@ def test_an_input_slower_than_its_step_is_input_bound_and_optimize_comes_first()
     assert result["verdict"] == "input-bound (highly)"
     assert result["next_steps"][0]["advice"].startswith("train = tfspeed.optimize(train)")
     assert result["next_steps"][0]["expected_gain"] == "up to 3.1x (the step alone's pace)"
+
+
+class _Digits(keras.utils.PyDataset):
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.digits = load_digits()
+
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        return (self.digits.images[i * 8:(i + 1) * 8, :, :, None] / 16.0,
+                self.digits.target[i * 8:(i + 1) * 8])
+
+
+def test_an_input_that_cannot_be_stored_gets_the_fix_for_what_fit_was_given():
+    """A PyDataset, a generator and a dataset that runs Python each get their own fix; the
+    'move the random ops' advice went to all of them (a PyDataset has no random ops)."""
+    from tfspeed.attach import script
+
+    images = np.zeros((8, 8, 8, 1), "float32")
+    generator = ((images, np.zeros(8)) for _ in range(4))
+    assert [verdict.given_kind(x) for x in (_Digits(), generator, images,
+                                            digits_pipeline())] == [
+        "pydataset", "generator", "arrays", "dataset"]
+    model = keras.Sequential([keras.Input((8, 8, 1)), keras.layers.Flatten(),
+                              keras.layers.Dense(10)])
+    model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    data = script.as_dataset(model, {"x": _Digits()})  # as tfspeed.diagnose script.py sees it
+    plan = graph.plan(data)
+    assert plan.stored is None
+    ms = {"input_alone": 30.0, "step_alone": 10.0, "together": 31.0}
+    advice = {given: verdict.decide(ms, plan, data.element_spec, given=given)["next_steps"][0][
+        "advice"] for given in ("pydataset", "generator", "dataset")}
+    assert advice["pydataset"].startswith("your PyDataset loads each batch in the training "
+                                          "process") and "workers=4" in advice["pydataset"]
+    assert advice["generator"].startswith("a Python generator feeds fit")
+    assert "worker processes" in advice["dataset"] and "random ops" not in advice["dataset"]
+    random_first = graph.plan(tf.data.Dataset.range(8).map(
+        lambda i: i + tf.random.uniform([], maxval=2, dtype=tf.int64)).map(lambda i: i * 2))
+    assert random_first.stored is None
+    moved = verdict.decide(ms, random_first, data.element_spec)["next_steps"][0]["advice"]
+    assert "move the random ops after the deterministic maps" in moved
+
+
+def test_float_images_into_a_model_that_rescales_first_are_told_to_end_as_uint8():
+    plan = graph.plan(digits_pipeline())
+    ms = {"input_alone": 30.0, "step_alone": 10.0, "together": 31.0}
+    spec = (tf.TensorSpec((None, 32, 32, 3), tf.float32), tf.TensorSpec((None,), tf.int64))
+    rescaling = keras.Sequential([keras.Input((32, 32, 3)), keras.layers.Rescaling(1 / 255),
+                                  keras.layers.Flatten(), keras.layers.Dense(2)])
+    plain = keras.Sequential([keras.Input((32, 32, 3)), keras.layers.Flatten(),
+                              keras.layers.Dense(2)])
+    said = {name: [s["advice"] for s in verdict.decide(
+        ms, plan, spec, scales=verdict._scales_first(m))["next_steps"] if "float32" in s[
+            "advice"]][0] for name, m in (("rescaling", rescaling), ("plain", plain))}
+    assert "already rescales them" in said["rescaling"] and "Rescaling first" not in said[
+        "rescaling"]
+    assert "put keras.layers.Rescaling first in the model" in said["plain"]

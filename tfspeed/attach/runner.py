@@ -23,7 +23,8 @@ def diagnose_script(path: str, argv: list[str], out_dir: str = "tfspeed_diagnose
     def handler(model, fit, args):
         data = script.as_dataset(model, args)
         options = {"seconds": seconds} if seconds else {}
-        raise script.Stop(verdict.diagnose(data, model, out_dir=out_dir, **options))
+        raise script.Stop(verdict.diagnose(data, model, out_dir=out_dir,
+                                           given=verdict.given_kind(args.get("x")), **options))
 
     stop = script.run(path, argv, handler)
     if stop is None:

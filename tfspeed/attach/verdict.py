@@ -23,7 +23,7 @@ COMPUTE_BOUND = "compute-bound: the input is not your limit"
 
 
 def diagnose(dataset, model, *, seconds: float = SECONDS, out_dir: str | None = None,
-             xla: bool = True) -> dict:
+             xla: bool = True, given: str = "dataset") -> dict:
     """Times ``dataset`` and ``model``'s step alone and together, and says what limits them.
 
     Args:
@@ -32,6 +32,8 @@ def diagnose(dataset, model, *, seconds: float = SECONDS, out_dir: str | None = 
       seconds: each timing's budget after its warm-up.
       out_dir: where ``diagnose.json`` and ``diagnose.png`` go (None: nowhere).
       xla: on a compute-bound step, also time it compiled by XLA (``jit_compile=True``).
+      given: what the script gave ``fit`` (``given_kind``): "dataset", "arrays",
+        "pydataset" or "generator"; the fixes for its input depend on it.
 
     Returns:
       ``{"verdict", "why", "ms_per_batch", "batches_per_sec", "next_steps", "pipeline"}``.
@@ -53,15 +55,18 @@ def diagnose(dataset, model, *, seconds: float = SECONDS, out_dir: str | None = 
     finally:
         _restore(model, saved)
     plan = graph.plan(dataset)
-    result = decide(ms, plan, dataset.element_spec)
+    result = decide(ms, plan, dataset.element_spec, given=given,
+                    scales=_scales_first(model))
     if out_dir:
         _write(result, out_dir)
     return result
 
 
-def decide(ms: dict, plan, element_spec, cores: int | None = None) -> dict:
+def decide(ms: dict, plan, element_spec, cores: int | None = None, given: str = "dataset",
+           scales: bool = False) -> dict:
     """The verdict and ranked fixes from the three timings (pure but for ``cores``, the
-    CPU's cores: None reads them)."""
+    CPU's cores: None reads them); ``given`` is what ``fit`` got, ``scales`` whether the
+    model's first layer already rescales images."""
     input_ms, step_ms, both = ms["input_alone"], ms["step_alone"], ms["together"]
     wait = max(0.0, 100.0 * (both - step_ms) / both)
     line = (f"input {input_ms:.1f} ms per batch, the step {step_ms:.1f} ms alone and "
@@ -82,12 +87,12 @@ def decide(ms: dict, plan, element_spec, cores: int | None = None) -> dict:
         severity = "highly" if wait >= INPUT_BOUND_HIGH_PCT else "moderately"
         verdict = f"input-bound ({severity})"
         why = f"{wait:.0f}% of each step waits for input; {line}"
-        steps += _input_fixes(ms, plan, element_spec)
+        steps += _input_fixes(ms, plan, element_spec, given, scales)
     else:
         verdict = "input-bound (by sharing the CPU)"
         why = (f"{line}: together is {both / max(input_ms, step_ms):.1f}x the slower alone; the "
                "pipeline takes CPU time from the step")
-        steps += _input_fixes(ms, plan, element_spec) + _step_fixes(ms)
+        steps += _input_fixes(ms, plan, element_spec, given, scales) + _step_fixes(ms)
     if wait < INPUT_BOUND_MODERATE_PCT and not steps:
         steps.append({"advice": "nothing to gain on the input side", "expected_gain": "-"})
     steps.sort(key=lambda s: -s.pop("score", 0.0))
@@ -97,7 +102,24 @@ def decide(ms: dict, plan, element_spec, cores: int | None = None) -> dict:
             "pipeline": {"storable": plan.stored is not None, "reason": plan.reason}}
 
 
-def _input_fixes(ms: dict, plan, element_spec) -> list[dict]:
+def given_kind(x) -> str:
+    """What a script gave ``fit`` as ``x``, in ``diagnose``'s words."""
+    import inspect
+
+    import tensorflow as tf
+
+    if isinstance(x, tf.data.Dataset):
+        return "dataset"
+    if type(x).__name__ != "type" and any(c.__name__ == "PyDataset"
+                                          for c in type(x).__mro__):
+        return "pydataset"
+    if inspect.isgenerator(x) or hasattr(x, "__next__"):
+        return "generator"
+    return "arrays"
+
+
+def _input_fixes(ms: dict, plan, element_spec, given: str = "dataset",
+                 scales: bool = False) -> list[dict]:
     both, step = ms["together"], ms["step_alone"]
     fixes = []
     gain = both / step
@@ -107,16 +129,47 @@ def _input_fixes(ms: dict, plan, element_spec) -> list[dict]:
                       "expected_gain": f"up to {gain:.1f}x (the step alone's pace)",
                       "score": gain})
     else:
-        fixes.append({"advice": f"the pipeline cannot be stored as it is ({plan.reason}); "
-                      "move the random ops after the deterministic maps, or convert the data "
-                      "once with scripts/to_tfrecord.py", "expected_gain": f"up to {gain:.1f}x",
-                      "score": gain * 0.5})
+        fixes.append({"advice": _unstored_advice(plan, given),
+                      "expected_gain": f"up to {gain:.1f}x", "score": gain * 0.5})
     if _float_images(element_spec):
         fixes.append({"advice": "images leave the pipeline as float32 (4x the bytes of "
-                      "uint8): send uint8 and put keras.layers.Rescaling first in the model",
+                      "uint8): " + ("your model's first layer already rescales them: end "
+                                    "the pipeline with tf.cast(images, tf.uint8) where their "
+                                    "values are whole (resize with interpolation='nearest')"
+                                    if scales else
+                                    "send uint8 and put keras.layers.Rescaling first in the "
+                                    "model"),
                       "expected_gain": "less host-to-device traffic (largest on GPUs)",
                       "score": 1.05})
     return fixes
+
+
+def _unstored_advice(plan, given: str) -> str:
+    """What to do where no part of the input can be stored, by what fit was given."""
+    if given == "pydataset":
+        return ("your PyDataset loads each batch in the training process, one at a time: give "
+                "it workers in its constructor (super().__init__(workers=4, "
+                "use_multiprocessing=True) for Python-heavy loading), or load with tf.data "
+                "ops (tf.io.decode_image, Dataset.map) so tfspeed.optimize can store them")
+    if given == "generator":
+        return ("a Python generator feeds fit one batch at a time under the GIL: wrap it in "
+                "tf.data.Dataset.from_generator and let tfspeed.optimize run it in worker "
+                "processes, or load with tf.data ops, or convert the data once with "
+                "scripts/to_tfrecord.py")
+    if "Python" in plan.reason:
+        return (f"the pipeline cannot be stored ({plan.reason}); python -m tfspeed.run (or "
+                "tfspeed.optimize) runs its Python in worker processes where that measures "
+                "faster")
+    return (f"the pipeline cannot be stored as it is ({plan.reason}); move the random ops "
+            "after the deterministic maps, or convert the data once with "
+            "scripts/to_tfrecord.py")
+
+
+def _scales_first(model) -> bool:
+    """Whether the model's first layer (past its inputs) is ``keras.layers.Rescaling``."""
+    layers = [layer for layer in getattr(model, "layers", [])
+              if type(layer).__name__ != "InputLayer"]
+    return bool(layers) and type(layers[0]).__name__ == "Rescaling"
 
 
 def _step_fixes(ms: dict) -> list[dict]:
