@@ -16,6 +16,7 @@ rebuild is ever stored: the rest of the chain is rebuilt as it was.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable
 
@@ -117,8 +118,9 @@ def plan(dataset) -> Cut:
         return Cut(None, None, f"tfspeed cannot rebuild {unknown[0]}, which follows the "
                     "deterministic part: left as written")
     buffered = max((int(n._buffer_size) for n in pending), default=0) if moved else 0
-    return Cut(stored, lambda base: _replay(base, suffix), stop, maps, moved, batched,
-                [_name(n) for n in suffix], buffered, cache)
+    return Cut(stored, lambda base: _replay(base, suffix, follow=True), stop, maps, moved,
+                batched,
+               [_name(n) for n in suffix], buffered, cache)
 
 
 def _in_memory(node) -> bool:
@@ -156,10 +158,46 @@ def copy(dataset):
     return _replay(nodes[0], nodes[1:])
 
 
-def _replay(base, suffix: list):
+def _replay(base, suffix: list, follow: bool = False):
+    """``suffix`` rebuilt on ``base``; with ``follow``, each reshuffling shuffle goes on from
+    the order the script's own object would give next (``count_iterations``)."""
     for node in suffix:
-        base = rebuild(node, base)
+        after = _ITERATED.get(id(node), (None, 0))[1] if follow else 0
+        base = _shuffle(node, base, after) if after else rebuild(node, base)
     return base
+
+
+# Iterators the script made over each reshuffling shuffle, by id (with the node, so that the
+# id stays its own), while ``count_iterations`` is on.
+_ITERATED: dict[int, list] = {}
+
+
+@contextlib.contextmanager
+def count_iterations(active: Callable[[], bool]):
+    """Within the block, counts the iterators made over each reshuffling shuffle in a
+    pipeline's chain while ``active()``. A shuffle draws its order for each new iterator from
+    a seed generator held in its dataset; a script that iterated its training data before
+    ``fit`` (``layer.adapt(train.map(...))``, a peek at a batch) left that generator a few
+    draws on. A rebuilt shuffle starts from the first draw; ``plan``'s replay goes on from
+    where the script's object would, so that ``fit`` sees the orders it would as written."""
+    import tensorflow as tf
+
+    real = tf.data.Dataset.__iter__
+
+    def __iter__(self):  # noqa: N807 -- the method it stands in for
+        if active():
+            for node in chain(self):
+                if type(node).__name__ == "_ShuffleDataset" and (
+                        node._reshuffle_each_iteration is True):
+                    _ITERATED.setdefault(id(node), [node, 0])[1] += 1
+        return real(self)
+
+    tf.data.Dataset.__iter__ = __iter__
+    try:
+        yield
+    finally:
+        tf.data.Dataset.__iter__ = real
+        _ITERATED.clear()
 
 
 def rebuild(node, base):
@@ -185,16 +223,30 @@ def _map(node, base):
     return base.map(call, num_parallel_calls=calls, deterministic=deterministic)
 
 
-def _shuffle(node, base):
-    """The same shuffle, with the same seeds: the same permutations of positions."""
+def _shuffle(node, base, after: int = 0):
+    """The same shuffle, with the same seeds: the same permutations of positions, from the
+    first; with ``after``, from the one after the first ``after`` (a seed generator of its
+    own, moved on by as many iterators over a one-element shuffle that shares it)."""
     import tensorflow as tf
     from tensorflow.python.ops import gen_dataset_ops
 
-    variant = gen_dataset_ops.shuffle_dataset_v3(
-        base._variant_tensor, buffer_size=node._buffer_size, seed=node._seed,
-        seed2=node._seed2, seed_generator=gen_dataset_ops.dummy_seed_generator(),
-        reshuffle_each_iteration=node._reshuffle_each_iteration, **base._flat_structure)
-    return tf.data.experimental.from_variant(variant, base.element_spec)
+    def on(data, generator):
+        variant = gen_dataset_ops.shuffle_dataset_v3(
+            data._variant_tensor, buffer_size=node._buffer_size, seed=node._seed,
+            seed2=node._seed2, seed_generator=generator,
+            reshuffle_each_iteration=node._reshuffle_each_iteration, **data._flat_structure)
+        return tf.data.experimental.from_variant(variant, data.element_spec)
+
+    if not after:
+        return on(base, gen_dataset_ops.dummy_seed_generator())
+    generator = gen_dataset_ops.anonymous_seed_generator(
+        seed=node._seed, seed2=node._seed2, reshuffle=True)
+    ahead = on(tf.data.Dataset.range(1), generator[0])
+    for _ in range(after):
+        iter(ahead)  # an iterator draws its seeds when it is made: nothing is read
+    out = on(base, generator[0])
+    out._tfspeed_seed_generator = generator  # the resource lives as long as the pipeline
+    return out
 
 
 def _batch(node, base):

@@ -72,7 +72,11 @@ def optimize(dataset, model=None, *, cache_dir: str | None = None,
     device), and the model given back takes them, gives each value what the pipeline's cast
     and constants gave (a lookup inside its compiled step, exact on every backend), and calls
     yours: the same numbers, and your model's own weights (training it trains yours; save
-    yours as before). Without a model the images
+    yours as before). A rebuilt shuffle has the same seeds and gives the same orders as a
+    fresh copy of yours; under ``python -m tfspeed.run`` it also goes on from the order yours
+    would give next where the script iterated it before ``fit`` (an ``adapt``, a peek at a
+    batch). Called in a script on a dataset it already iterated, the orders are those of a
+    fresh copy. Without a model the images
     still leave as float32 (a store holds them as uint8). Images from a resize, as
     ``keras.utils.image_dataset_from_directory`` gives them, are fractional and stay as they
     are; the report says why.

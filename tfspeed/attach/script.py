@@ -41,6 +41,8 @@ def fit_calls(handler: Callable):
     where ``fit`` is the real method and ``args`` the call's arguments by name."""
     import keras
 
+    from tfspeed.attach import graph
+
     real = keras.Model.fit
     signature = inspect.signature(real)
     busy = []  # the handler's own fits (timings, the optimised call) go to the real one
@@ -61,7 +63,10 @@ def fit_calls(handler: Callable):
     fit.__doc__, fit.__signature__ = real.__doc__, signature
     keras.Model.fit = fit
     try:
-        yield
+        # The script's own iterations of its shuffles (not the handler's): a rebuilt one
+        # goes on from where the script left it.
+        with graph.count_iterations(lambda: not busy):
+            yield
     finally:
         keras.Model.fit = real
 
