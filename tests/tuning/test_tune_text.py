@@ -377,23 +377,29 @@ def test_the_run_of_your_flags_takes_the_precision_the_tune_measured(tmp_path):
     assert verify.measured_precision(base) == {}
 
 
+# The issue's tune ran at the default budget (90 s) and took 130 s. Whatever the budget, the
+# mechanism is the same (measure, your flags, candidates while time is left); 50 s keeps
+# the suite's longest fixture to what measuring and one run need on two busy cores.
+TUNE_BUDGET_S = 50
+
+
 @pytest.fixture(scope="module")
 def text_tune(short_texts, tmp_path_factory):
     """``python -m tfspeed.tune`` of pipelines/text.flags on short real texts (docstrings)
-    at its default budget, as a user (and the issue) ran it: (the process, the tune
-    directory). One real tune serves this module's tests of it."""
+    with a budget, as a user (and the issue) ran it: (the process, the tune directory). One
+    real tune serves this module's tests of it."""
     root = tmp_path_factory.mktemp("tune_default")
     run = subprocess.run(
         [sys.executable, "-m", "tfspeed.tune",
          f"--flagfile={REPO / 'pipelines' / 'text.flags'}", f"--data_dir={short_texts}",
-         f"--model_dir={root / 'run'}"],
+         f"--model_dir={root / 'run'}", f"--budget_s={TUNE_BUDGET_S}"],
         cwd=REPO, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONPATH": str(REPO)},
         capture_output=True, text=True, timeout=400)
     assert run.returncode == 0, run.stderr[-3000:]
     return run, root / "run" / "tune"
 
 
-def test_a_default_budget_tune_of_the_text_job_keeps_its_budget_and_verifies(text_tune):
+def test_a_tune_of_the_text_job_keeps_its_budget_and_verifies(text_tune):
     """It once took 130 s of its 90 s (the run of your flags probed the precision again,
     its measuring child took ~10 s to exit) and skipped every candidate; and its log held a
     traceback. Now it ends within its budget (and the slack of one run's estimate), with at
@@ -401,7 +407,7 @@ def test_a_default_budget_tune_of_the_text_job_keeps_its_budget_and_verifies(tex
     run, tune_dir = text_tune
     result = json.loads((tune_dir / "tune.json").read_text())
     assert "Traceback" not in run.stderr, run.stderr[-3000:]
-    assert result["budget_s"] == 90.0
+    assert result["budget_s"] == TUNE_BUDGET_S
     assert result["seconds"] <= 1.2 * result["budget_s"], result["seconds"]
     measured = [c for c in result["candidates"] if "measured" in c]
     assert measured or result["user"], result["skipped"]
