@@ -24,6 +24,8 @@ from tfspeed.errors import UsageError
 RAM_SHARE = 0.25  # of the memory available now: the most a stored part may hold in RAM
 DISK_SHARE = 0.5  # of the free disk: the most a store may take
 PROBE_SECONDS = 1.0  # each contender's timing on a later run, at most
+USER_CACHE = ("your .cache() in memory replaced by tfspeed's (the same elements, held once; "
+              "a store on disk also serves later runs)")
 # Attributes Keras' dataset utilities set on the datasets they return (scripts read them).
 USER_ATTRIBUTES = ("class_names", "file_paths")
 
@@ -179,6 +181,8 @@ def _rewrite(dataset, report: Report, cache_dir, ram_budget_mb, probe_seconds):
     if in_ram:  # computing beats reading the file; later epochs still read RAM
         report.changed.append(f"{plan.maps_stored} deterministic map(s) computed in the first "
                               "epoch and replayed from RAM in later ones")
+        if plan.cache:
+            report.changed.append(USER_CACHE)
         report.verdict = ("the store on disk read slower than computing: the deterministic "
                           "part is kept in RAM for later epochs")
         return plan.replay(plan.stored.cache())
@@ -214,8 +218,7 @@ def _describe(plan, report: Report, files: int, in_ram: bool) -> None:
         report.changed.append(f"{plan.moved} map(s) moved before the shuffle of elements "
                               "(the same seeds, so the same orders)")
     if plan.cache:
-        report.changed.append("your .cache() in memory replaced by the store (the same "
-                              "elements; later runs read them too)")
+        report.changed.append(USER_CACHE)
     if plan.suffix:
         report.unchanged.append(f"replayed every epoch as written: {', '.join(plan.suffix)}")
     if plan.reason:
