@@ -119,8 +119,7 @@ def plan(dataset) -> Cut:
                     "deterministic part: left as written")
     buffered = max((int(n._buffer_size) for n in pending), default=0) if moved else 0
     return Cut(stored, lambda base: _replay(base, suffix, follow=True), stop, maps, moved,
-                batched,
-               [_name(n) for n in suffix], buffered, cache)
+               batched, [_name(n) for n in suffix], buffered, cache)
 
 
 def _in_memory(node) -> bool:

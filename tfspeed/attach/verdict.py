@@ -106,12 +106,12 @@ def given_kind(x) -> str:
     """What a script gave ``fit`` as ``x``, in ``diagnose``'s words."""
     import inspect
 
+    import keras
     import tensorflow as tf
 
     if isinstance(x, tf.data.Dataset):
         return "dataset"
-    if type(x).__name__ != "type" and any(c.__name__ == "PyDataset"
-                                          for c in type(x).__mro__):
+    if isinstance(x, keras.utils.PyDataset):
         return "pydataset"
     if inspect.isgenerator(x) or hasattr(x, "__next__"):
         return "generator"
