@@ -50,6 +50,11 @@ def decide(config, schema, plan, figures: dict) -> dict:
         verdict, severity = "compute-bound", ""
         why = f"only {wait:.0f}% of step time waits for input; {figures_line}"
         steps = _compute_steps(config, plan, figures, wait, memory_share)
+    if verdict != "memory-bound":
+        # Measured figures only (the driver's probe, or diagnose's own timing): a rule of
+        # thumb once advised bfloat16 for a model the probe had just measured slower in it.
+        # Cited whatever the verdict, ranked by its measured ratio.
+        steps += precision.advice(plan, figures.get("precision"), _step)
     steps += batching_steps(config, figures) + image_steps(figures, slow_input)
     steps.sort(key=lambda s: -s.pop("score"))
     return {"verdict": verdict, "severity": severity, "why": why, "next_steps": steps}
@@ -233,9 +238,6 @@ def _compute_steps(config, plan, figures: dict, wait: float, memory_share: float
     step_ms = figures["ms_per_batch"]["together"]
     steps = []
     best = resolve(RuntimeConfig(precision="auto", xla="auto"), detect_hardware())
-    # Measured figures only (the driver's probe, or diagnose's own timing): a rule of thumb
-    # once advised bfloat16 for a model the probe had just measured slower in it.
-    steps += precision.advice(plan, figures.get("precision"), _step)
     if step_ms < 10 and config.train.steps_per_execution == 1:
         steps.append(_step(f"a step takes {step_ms:.1f} ms, so Python overhead per step matters: "
                            "--steps_per_execution=auto", 1.8, "up to 4x for tiny steps"))
