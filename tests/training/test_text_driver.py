@@ -238,12 +238,12 @@ def test_xla_compiles_the_step_once_per_shape(short_texts, tmp_path, mode):
     from tests.conftest import REPO
 
     dump, run_dir = tmp_path / "xla", tmp_path / "run"
-    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "XLA_FLAGS": f"--xla_dump_to={dump}"}
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "XLA_FLAGS": f"--xla_dump_to={dump} --xla_dump_hlo_module_re=.*forward_backward.*"}
     done = subprocess.run(
         [sys.executable, "-m", "tfspeed.train", f"--data_dir={short_texts}",
          f"--model_dir={run_dir}", "--model=transformer", "--width=16", "--depth=1",
          "--heads=2", f"--batching={mode}", "--xla=on", "--max_length=96",
-         "--batch_size=16", "--train_steps=30", "--eval_split=", "--steps_per_execution=1"],
+         "--batch_size=16", "--train_steps=12", "--eval_split=", "--steps_per_execution=1"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads((run_dir / "report.json").read_text())
