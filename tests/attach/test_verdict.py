@@ -105,6 +105,23 @@ def test_an_input_that_cannot_be_stored_gets_the_fix_for_what_fit_was_given():
     assert "move the random ops after the deterministic maps" in moved
 
 
+def test_a_pydataset_that_has_workers_is_not_told_to_give_it_workers():
+    """A PyDataset already loading in 4 threads was told to give it workers; it is told
+    what it has, and what is left (processes, or tf.data ops that can be stored)."""
+    threads, processes = _Digits(workers=4), _Digits(workers=3, use_multiprocessing=True)
+    kinds = [verdict.given_kind(x) for x in (threads, processes)]
+    assert kinds == ["pydataset:4 threads", "pydataset:3 processes"]
+    plan = graph.plan(tf.data.Dataset.range(8).map(lambda i: i + tf.random.uniform(
+        [], maxval=2, dtype=tf.int64)))
+    ms = {"input_alone": 30.0, "step_alone": 10.0, "together": 31.0}
+    advice = [verdict.decide(ms, plan, None, given=kind)["next_steps"][0]["advice"]
+              for kind in kinds]
+    assert advice[0].startswith("your PyDataset already loads in 4 threads"), advice[0]
+    assert "use_multiprocessing=True" in advice[0] and "workers=4" not in advice[0]
+    assert advice[1].startswith("your PyDataset already loads in 3 processes"), advice[1]
+    assert "use_multiprocessing=True" not in advice[1] and "tf.data ops" in advice[1]
+
+
 def test_float_images_into_a_model_that_rescales_first_are_told_to_end_as_uint8():
     plan = graph.plan(digits_pipeline())
     ms = {"input_alone": 30.0, "step_alone": 10.0, "together": 31.0}

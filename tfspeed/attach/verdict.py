@@ -33,7 +33,8 @@ def diagnose(dataset, model, *, seconds: float = SECONDS, out_dir: str | None = 
       out_dir: where ``diagnose.json`` and ``diagnose.png`` go (None: nowhere).
       xla: on a compute-bound step, also time it compiled by XLA (``jit_compile=True``).
       given: what the script gave ``fit`` (``given_kind``): "dataset", "arrays",
-        "pydataset" or "generator"; the fixes for its input depend on it.
+        "pydataset" (":N threads" or ":N processes" added where it has workers) or
+        "generator"; the fixes for its input depend on it.
 
     Returns:
       ``{"verdict", "why", "ms_per_batch", "batches_per_sec", "next_steps", "pipeline"}``.
@@ -112,7 +113,11 @@ def given_kind(x) -> str:
     if isinstance(x, tf.data.Dataset):
         return "dataset"
     if isinstance(x, keras.utils.PyDataset):
-        return "pydataset"
+        workers = int(getattr(x, "workers", 1) or 1)
+        if workers <= 1:
+            return "pydataset"
+        kind = "processes" if getattr(x, "use_multiprocessing", False) else "threads"
+        return f"pydataset:{workers} {kind}"
     if inspect.isgenerator(x) or hasattr(x, "__next__"):
         return "generator"
     return "arrays"
@@ -146,6 +151,14 @@ def _input_fixes(ms: dict, plan, element_spec, given: str = "dataset",
 
 def _unstored_advice(plan, given: str) -> str:
     """What to do where no part of the input can be stored, by what fit was given."""
+    if given.startswith("pydataset:"):  # workers already set: what is left
+        has = given.split(":", 1)[1]
+        more = ("" if has.endswith("processes") else
+                "use_multiprocessing=True where the loading is Python-heavy (threads share "
+                "the GIL), or ")
+        return (f"your PyDataset already loads in {has} and fit still waits for it: {more}"
+                "load with tf.data ops (tf.io.decode_image, Dataset.map) so tfspeed.optimize "
+                "can store them, or convert the data once with scripts/to_tfrecord.py")
     if given == "pydataset":
         return ("your PyDataset loads each batch in the training process, one at a time: give "
                 "it workers in its constructor (super().__init__(workers=4, "
