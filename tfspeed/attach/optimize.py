@@ -245,8 +245,7 @@ def _budget(stored, held, ram_budget_mb) -> dict | str:
             first = next(iter(stored.take(1)), None)
             if first is None:
                 return "the pipeline is empty"
-            per = sum(_nbytes(t.numpy()) for t in tf.nest.flatten(first)
-                      if hasattr(t, "numpy"))
+            per = element_bytes(first)
         total = per * count if count >= 0 else None
         free = shutil.disk_usage(os.path.dirname(held.folder)).free
         if total is not None and total > DISK_SHARE * free:
@@ -257,6 +256,13 @@ def _budget(stored, held, ram_budget_mb) -> dict | str:
            else RAM_SHARE * _available_memory())
     return {"bytes": total, "count": count, "ram": ram,
             "fits_ram": total is not None and total <= ram}
+
+
+def element_bytes(element) -> int:
+    """Bytes of one computed element (a nest of tensors)."""
+    import tensorflow as tf
+
+    return sum(_nbytes(t.numpy()) for t in tf.nest.flatten(element) if hasattr(t, "numpy"))
 
 
 def _nbytes(value) -> int:
