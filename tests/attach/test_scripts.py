@@ -60,7 +60,9 @@ x, y = digits.images[..., None] / 16.0, digits.target
 model = keras.Sequential([keras.Input((8, 8, 1)), keras.layers.Flatten(),
                           keras.layers.Dense(10)])
 model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-model.fit(x, y, batch_size=64, epochs=2, verbose=0)
+history = model.fit(x, y, batch_size=64, epochs=3, validation_split=0.25, verbose=0)
+print("SCRIPT keys", sorted(history.history), len(history.history["val_loss"]))
+model.fit(x, y, batch_size=64, epochs=2, class_weight={k: 1.0 for k in range(10)}, verbose=0)
 print("SCRIPT done")
 '''
 
@@ -321,17 +323,27 @@ def test_diagnose_says_a_compute_bound_script_is_not_limited_by_its_input(script
     assert not any("optimize" in step["advice"] for step in result["next_steps"])
 
 
-def test_arrays_are_diagnosed_and_fed_as_written(scripts):
+def test_arrays_are_diagnosed_and_batched_as_keras_does_for_the_engine(scripts):
+    """NumPy arrays with validation_split go to the engine as the batches Keras' own fit
+    makes of them (its split, batch size and reshuffling); a fit with class weights stays on
+    Keras' fit with the arrays as written."""
     root, _ = scripts
     done = tfspeed("diagnose", "--diagnose_seconds=1", "arrays.py", cwd=root,
                    cache=root / "cache-a")
     assert done.returncode == 0, done.stderr[-2000:]
     assert "step alone" in done.stdout
-    ran = tfspeed("run", "arrays.py", cwd=root, cache=root / "cache-a")
+    ran = tfspeed("run", "--min_engine_seconds=0", "arrays.py", cwd=root,
+                  cache=root / "cache-a")
     assert ran.returncode == 0, ran.stderr[-2000:]
-    assert "SCRIPT done" in ran.stdout
-    assert "is not a tf.data.Dataset (ndarray): fed by Keras as written" in ran.stdout
-    assert "the step ran on Keras' own fit: x is a ndarray, not a tf.data.Dataset" in ran.stdout
+    assert "SCRIPT keys ['loss', 'val_loss'] 3" in ran.stdout and "SCRIPT done" in ran.stdout
+    first, second = [line for line in ran.stdout.splitlines()
+                     if line.startswith("tfspeed.run: fit")]
+    assert "on tfspeed's engine" in first, first
+    assert ("x: 1347 examples in NumPy arrays as Keras batches them (64 a batch, reshuffled "
+            "every epoch); validation_data: 450 examples (the last 25% of them)") in first
+    assert "x is NumPy arrays with sample or class weights: fed by Keras as written" in second
+    assert second.endswith("the step ran on Keras' own fit: x is a ndarray, not a "
+                           "tf.data.Dataset"), second
 
 
 @pytest.mark.parametrize("command, script, message", [

@@ -7,7 +7,7 @@ import os
 import statistics
 import time
 
-from tfspeed.attach import script, step
+from tfspeed.attach import arrays, script, step
 
 
 def diagnose_script(path: str, argv: list[str], out_dir: str = "tfspeed_diagnose",
@@ -64,7 +64,17 @@ def run_script(path: str, argv: list[str], min_engine_seconds: float | None = No
     def handler(model, fit, args):
         record = {"changed": [], "epoch_seconds": []}
         fits.append(record)
-        reason = step.why_not(model, args)
+        # NumPy arrays as the batches Keras' fit makes of them, where the engine takes the
+        # fit that way; else as written.
+        converted, note = arrays.as_datasets(args)
+        reason = step.why_not(model, converted or args)
+        if converted is not None and reason is None:
+            args.clear()
+            args.update(converted)
+        elif converted is not None:
+            note = "x: NumPy arrays, fed by Keras as written"
+        if note:
+            record["changed"].append(note)
         written = {name: args.get(name) for name in ("x", "validation_data")}
         if reason is None:
             try:  # on the data as written: the adapted model's outputs are the same
@@ -161,8 +171,10 @@ def _optimized(data, name: str, record: dict):
     import tensorflow as tf
 
 
+    if getattr(data, "tfspeed_arrays", False):  # in memory already: nothing to store
+        return data
     if not isinstance(data, tf.data.Dataset):
-        if data is not None and name == "x":
+        if data is not None and name == "x" and not record["changed"]:  # arrays say so
             record["changed"].append(f"fit({name}=...) is not a tf.data.Dataset "
                                      f"({type(data).__name__}): fed by Keras as written")
         return data
