@@ -92,3 +92,23 @@ def test_every_flag_the_docs_name_is_a_commands_flag():
             if name not in known:
                 unknown.setdefault(page.name, set()).add(f"--{name}")
     assert not unknown, unknown
+
+
+@pytest.mark.parametrize("command, args, message", [
+    ("tfspeed.run", ["train.txt"], "error: train.txt: not a Python script"),
+    ("tfspeed.run", ["--min_engine_seconds=soon", "train.py"],
+     "error: python -m tfspeed.run --min_engine_seconds=soon: its options are"),
+    ("tfspeed.diagnose", ["--diagnose_seconds=0", "missing.py"],
+     "error: python -m tfspeed.diagnose --diagnose_seconds=0: before a script"),
+    ("tfspeed.diagnose", ["missing.py"], "error: missing.py: not a Python script"),
+])
+def test_a_mistake_in_the_scripts_options_is_one_line_before_tensorflow_starts(
+        tmp_path, command, args, message):
+    """`tfspeed.run` and `diagnose` on a script checked its options only after TensorFlow's
+    import: ~5 s for a typo. The mistake is now one line, status 2, before it."""
+    run = subprocess.run([sys.executable, "-c", _RUN, command, *args], cwd=tmp_path,
+                         env={**os.environ, "PYTHONPATH": str(REPO)},
+                         capture_output=True, text=True, timeout=120)
+    lines = run.stderr.strip().splitlines()
+    assert run.returncode == 2 and len(lines) == 1 and lines[0].startswith(message), lines
+    assert run.stdout.strip() == "tensorflow imported: False", run.stdout

@@ -55,6 +55,15 @@ def _script(argv: list[str]) -> None:
     """``[--diagnose_seconds=S] SCRIPT.py [its arguments]``: a verdict on the script's first fit."""
     from tfspeed.attach.runner import diagnose_script
 
+    argv, seconds = _script_options(argv)
+    diagnose_script(argv[0], argv[1:], seconds=seconds)
+
+
+def _script_options(argv: list[str]) -> tuple[list[str], float | None]:
+    """``(the script and its arguments, --diagnose_seconds)``; raises ``UsageError`` for a
+    wrong option or a path that is no Python script (no TensorFlow)."""
+    from tfspeed.attach.script import check_script
+
     argv, seconds = list(argv), None
     while argv[0].startswith("--"):  # tfspeed's own option, before the script
         name, _, value = argv.pop(0).partition("=")
@@ -65,13 +74,14 @@ def _script(argv: list[str]) -> None:
         if seconds is None or seconds <= 0:
             raise UsageError(f"python -m tfspeed.diagnose {name}={value}: before a script, its "
                              "one option is --diagnose_seconds=SECONDS (a number over 0)")
-    diagnose_script(argv[0], argv[1:], seconds=seconds)
+    check_script(argv[0])
+    return argv, seconds
 
 
 def run_main() -> None:
     script = next((i for i, a in enumerate(sys.argv[1:], 1) if not a.startswith("--")), None)
     if script is not None and sys.argv[script].endswith(".py"):  # a user's own script
-        main_entry(lambda: _script(sys.argv[1:]))
+        main_entry(lambda: _script(sys.argv[1:]), check=lambda: _script_options(sys.argv[1:]))
     exit_on_help(_usage)
     main_entry(lambda: app.run(main, flags_parser=tfspeed_flags.parse))
 

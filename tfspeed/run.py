@@ -9,9 +9,10 @@ chooses them; the model keeps its own precision), on the datasets ``tfspeed.opti
 with the model (uint8 images scaled inside a model around the script's, text batched by
 length on its layers: the script's model trains). Where the engine's first epoch measures
 slower than Keras' epoch 1, the epochs left go back to Keras' fit as written. One line per
-fit: examples/s as written against on tfspeed, and each epoch's seconds. A fit the engine cannot take (arrays, a
-PyDataset, class or sample weights, a metric that is not a mean per example, ...) runs on
-Keras' fit, and its line says why.
+fit: examples/s as written against on tfspeed, and each epoch's seconds. NumPy arrays become
+the batches Keras' fit makes of them. A fit the engine cannot take (a PyDataset, class or
+sample weights, a metric that is not a mean per example, ...) runs on Keras' fit, and its
+line says why.
 """
 
 from __future__ import annotations
@@ -31,9 +32,19 @@ USAGE = ("usage: python -m tfspeed.run [--cache_dir=DIR] [--min_engine_seconds=S
 
 def main(argv: list[str]) -> None:
     """Runs ``[tfspeed's options] SCRIPT.py [its arguments]``."""
+    from tfspeed.attach.runner import run_script
+
+    argv, numbers = options(argv)
+    run_script(argv[0], argv[1:], numbers["--min_engine_seconds"],
+               numbers["--min_engine_speedup"])
+
+
+def options(argv: list[str]) -> tuple[list[str], dict]:
+    """``(the script and its arguments, tfspeed's numbers)``; sets ``--cache_dir``. Raises
+    ``UsageError`` for a wrong option or a path that is no Python script (no TensorFlow)."""
     import os
 
-    from tfspeed.attach.runner import run_script
+    from tfspeed.attach.script import check_script
     from tfspeed.attach.store import ENV_DIR
     from tfspeed.errors import UsageError
 
@@ -51,8 +62,8 @@ def main(argv: list[str]) -> None:
     if not argv:
         raise UsageError("python -m tfspeed.run: give the script, e.g. python -m tfspeed.run "
                          "train.py --epochs=3")
-    run_script(argv[0], argv[1:], numbers["--min_engine_seconds"],
-               numbers["--min_engine_speedup"])
+    check_script(argv[0])
+    return argv, numbers
 
 
 def run_main() -> None:
@@ -60,7 +71,7 @@ def run_main() -> None:
     if not args or args[0] in ("-h", "--help", "-help"):
         print(USAGE)
         sys.exit(0 if args else 2)
-    main_entry(lambda: main(args))
+    main_entry(lambda: main(args), check=lambda: options(args))
 
 
 if __name__ == "__main__":

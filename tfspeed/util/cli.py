@@ -51,8 +51,19 @@ def flags_usage(doc: str, groups: dict[str, Sequence[flags.FlagHolder]]) -> str:
     return "\n\n".join(parts)
 
 
-def main_entry(main: Callable[[], int | None]) -> None:
-    """Runs a CLI ``main``: TF imported quietly, UsageError -> one line and exit status 2."""
+def main_entry(main: Callable[[], int | None],
+               check: Callable[[], object] | None = None) -> None:
+    """Runs a CLI ``main``: TF imported quietly, UsageError -> one line and exit status 2.
+    ``check`` (arguments only, no TensorFlow) runs first: a mistake there is one line at
+    once, not after TensorFlow's seconds of import."""
+    if check is not None:
+        def checked() -> int:
+            check()
+            return 0
+
+        status = exit_on_usage_error(checked)
+        if status:
+            sys.exit(status)
     _check_keras_backend()
     import_tensorflow_quietly()
     _quiet_tensorflow_info()
