@@ -316,10 +316,12 @@ def test_diagnose_says_a_compute_bound_script_is_not_limited_by_its_input(script
     result = json.loads((root / "tfspeed_diagnose" / "diagnose.json").read_text())
     assert result["verdict"] == "compute-bound: the input is not your limit", result["why"]
     assert "COMPUTE-BOUND: THE INPUT IS NOT YOUR LIMIT" in done.stdout
-    # The step-side figures that would help: XLA measured, batch and precision named.
+    # The step-side figures that would help: XLA, a larger batch and steps per call
+    # measured, precision named.
     advice = " ".join(step["advice"] for step in result["next_steps"])
     assert "under XLA" in advice or "XLA measured" in advice
-    assert "a larger batch" in advice and "mixed precision" in advice
+    assert "a batch twice as large" in advice and "steps_per_execution=8" in advice
+    assert "mixed precision" in advice
     assert not any("optimize" in step["advice"] for step in result["next_steps"])
 
 

@@ -21,14 +21,50 @@ def test_diagnose_times_a_users_model_and_leaves_it_as_it_was(tmp_path):
     model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     before = [w.copy() for w in model.get_weights()]
     result = tfspeed.diagnose(digits_pipeline(), model, seconds=0.3, out_dir=str(tmp_path))
-    assert set(result["ms_per_batch"]) == {"input_alone", "input_optimized", "step_alone",
-                                           "together", "step_alone_xla"}
+    timed = set(result["ms_per_batch"])
+    assert timed >= {"input_alone", "input_optimized", "step_alone", "together",
+                     "step_alone_xla"}
+    step_side = {"step_alone_2x_batch", "step_alone_per_call"}  # where the step is the limit
+    ms = result["ms_per_batch"]
+    assert (timed >= step_side) == (ms["input_alone"] < ms["step_alone"]), ms
+    assert not timed - step_side - {"input_alone", "input_optimized", "step_alone",
+                                    "together", "step_alone_xla"}
     assert all(v > 0 for v in result["ms_per_batch"].values())
     assert result["pipeline"] == {"storable": True, "reason": "Batch"}
     assert (tmp_path / "diagnose.json").exists() and (tmp_path / "diagnose.png").exists()
     after = model.get_weights()
     assert all(np.array_equal(a, b) for a, b in zip(before, after, strict=True))
     assert int(model.optimizer.iterations) == 0 and not model.jit_compile
+    assert model.steps_per_execution == 1
+
+
+def test_a_heavy_step_gets_its_batch_and_steps_per_call_measured(tmp_path):
+    """A step slower than its input: the step-side fixes cite their own timings (a batch
+    twice as large, steps per call), not "unmeasured"; shown where they measured a gain, or
+    under a compute-bound verdict where they did not; the model comes back as it was."""
+    model = keras.Sequential([keras.Input((8, 8, 1)), keras.layers.Flatten(),
+                              keras.layers.Dense(1024, activation="relu"),
+                              keras.layers.Dense(1024, activation="relu"),
+                              keras.layers.Dense(10)])
+    model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    result = tfspeed.diagnose(digits_pipeline(), model, seconds=0.3, xla=False)
+    ms = result["ms_per_batch"]
+    assert ms["input_alone"] < ms["step_alone"], ms  # a 2 M-weight MLP against held digits
+    gains = {s["expected_gain"]: s["advice"] for s in result["next_steps"]}
+    doubled = 2 * ms["step_alone"] / ms["step_alone_2x_batch"]
+    per_call = ms["step_alone"] / ms["step_alone_per_call"]
+    compute_bound = result["verdict"] == verdict.COMPUTE_BOUND
+    for gain, label, figure, advised in (
+            (doubled, "x examples/s (measured)", f"{ms['step_alone_2x_batch']:.1f} ms for twice "
+             "the examples", "a batch twice as large (the learning rate scaled with it)"),
+            (per_call, "x (measured)", f"{ms['step_alone_per_call']:.2f} ms a step",
+             "model.compile(..., steps_per_execution=8)")):
+        advice = gains.get(f"{gain:.2f}{label}")
+        assert (advice is not None) == (gain > verdict.SAME_RATIO or compute_bound), gains
+        if advice:
+            assert figure in advice and advice.startswith(advised) == (
+                gain > verdict.SAME_RATIO), advice
+    assert model.steps_per_execution == 1 and int(model.optimizer.iterations) == 0
 
 
 def augmented_digits():

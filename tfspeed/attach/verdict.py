@@ -9,6 +9,7 @@ after the timings: diagnosing does not train the user's model.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import statistics
@@ -19,6 +20,7 @@ from tfspeed.probes.profiling import INPUT_BOUND_HIGH_PCT, INPUT_BOUND_MODERATE_
 SECONDS = 4.0  # each timing's budget, after its warm-up
 WARMUP_STEPS = 3
 SAME_RATIO = 1.1  # together within this of the step alone: the input hides behind the step
+STEPS_PER_EXECUTION = 8  # steps per call timed where the model runs one per call
 REPLAY_SAMPLE_MB = 64  # the stored part held to time what optimize replays after it
 COMPUTE_BOUND = "compute-bound: the input is not your limit"
 
@@ -54,6 +56,8 @@ def diagnose(dataset, model, *, seconds: float = SECONDS, out_dir: str | None = 
         ms["together"] = _time_fit(model, dataset, seconds)
         if xla and not model.jit_compile:
             ms["step_alone_xla"] = _time_fit(model, held, seconds, jit_compile=True)
+        if ms["input_alone"] < ms["step_alone"]:  # the step is the limit: what helps it
+            ms.update(_step_options(model, held, seconds))
     finally:
         _restore(model, saved)
     plan = graph.plan(dataset)
@@ -91,7 +95,9 @@ def decide(ms: dict, plan, element_spec, cores: int | None = None, given: str = 
         severity = "highly" if wait >= INPUT_BOUND_HIGH_PCT else "moderately"
         verdict = f"input-bound ({severity})"
         why = f"{wait:.0f}% of each step waits for input; {line}"
-        steps += _input_fixes(ms, plan, element_spec, given, scales)
+        steps += _input_fixes(ms, plan, element_spec, given, scales) + [
+            fix for fix in _step_fixes(ms)  # what then helps the step, where it measured so
+            if "(measured)" in fix["expected_gain"] and fix["score"] > SAME_RATIO]
     else:
         verdict = "input-bound (by sharing the CPU)"
         why = (f"{line}: together is {both / max(input_ms, step_ms):.1f}x the slower alone; the "
@@ -206,9 +212,30 @@ def _step_fixes(ms: dict) -> list[dict]:
             fixes.append({"advice": f"XLA measured {xla:.1f} ms against {step:.1f}: no gain, "
                           "keep jit_compile off", "expected_gain": f"{gain:.2f}x (measured)",
                           "score": 0.0})
-    fixes.append({"advice": "a larger batch, or model.compile(steps_per_execution=N) where a "
-                  "step is short: fewer Python round trips per example",
-                  "expected_gain": "unmeasured", "score": 0.5})
+    doubled, per_call = ms.get("step_alone_2x_batch"), ms.get("step_alone_per_call")
+    if doubled:
+        gain = 2 * step / doubled
+        measured = f"{doubled:.1f} ms for twice the examples against {step:.1f}"
+        fixes.append(
+            {"advice": (f"a batch twice as large (the learning rate scaled with it): the step "
+                        f"measured {measured}" if gain > SAME_RATIO else
+                        f"a batch twice as large measured {measured}: no gain per example"),
+             "expected_gain": f"{gain:.2f}x examples/s (measured)",
+             "score": gain if gain > SAME_RATIO else 0.0})
+    if per_call:
+        gain = step / per_call
+        measured = f"{per_call:.2f} ms a step against {step:.2f} at one per call"
+        fixes.append(
+            {"advice": (f"model.compile(..., steps_per_execution={STEPS_PER_EXECUTION}): the "
+                        f"step measured {measured}" if gain > SAME_RATIO else
+                        f"steps_per_execution={STEPS_PER_EXECUTION} measured {measured}: no "
+                        "gain, keep one per call"),
+             "expected_gain": f"{gain:.2f}x (measured)",
+             "score": gain if gain > SAME_RATIO else 0.0})
+    if not doubled and not per_call:
+        fixes.append({"advice": "a larger batch, or model.compile(steps_per_execution=N) "
+                      "where a step is short: fewer Python round trips per example",
+                      "expected_gain": "unmeasured", "score": 0.5})
     fixes.append({"advice": "mixed precision: keras.mixed_precision.set_global_policy("
                   "'mixed_float16') before the model is built on a GPU ('mixed_bfloat16' on a "
                   "TPU or a CPU with AMX); python -m tfspeed.run keeps the model's own",
@@ -229,17 +256,18 @@ def _state(model):
         optimizer.build(model.trainable_variables)
     return ([v.numpy() for v in model.variables],
             [v.numpy() for v in getattr(model.optimizer, "variables", [])],
-            model.jit_compile)
+            model.jit_compile, getattr(model, "steps_per_execution", 1))
 
 
 def _restore(model, saved) -> None:
-    weights, slots, jit = saved
+    weights, slots, jit, per_call = saved
     for v, value in zip(model.variables, weights, strict=True):
         v.assign(value)
     for v, value in zip(getattr(model.optimizer, "variables", []), slots, strict=True):
         v.assign(value)
-    if model.jit_compile != jit:
+    if model.jit_compile != jit or getattr(model, "steps_per_execution", 1) != per_call:
         model.jit_compile = jit
+        model.steps_per_execution = per_call
         model.make_train_function(force=True)
 
 
@@ -280,26 +308,51 @@ def _held_batch(dataset):
     return tf.data.Dataset.from_tensors(first).repeat()
 
 
-def _time_fit(model, dataset, seconds: float, jit_compile: bool | None = None) -> float:
-    """Median ms per step of ``model.fit`` on ``dataset`` (batch-end to batch-end)."""
+def _step_options(model, held, seconds: float) -> dict:
+    """The step alone on a batch twice as large (ms per batch of twice the examples) and,
+    where the model runs one step per call, with ``STEPS_PER_EXECUTION`` (ms per step); a
+    timing that fails (the doubled batch out of memory) is left out."""
+    import tensorflow as tf
+
+    out = {}
+    first = next(iter(held))
+    doubled = tf.data.Dataset.from_tensors(
+        tf.nest.map_structure(lambda t: tf.concat([t, t], 0), first)).repeat()
+    with contextlib.suppress(tf.errors.ResourceExhaustedError, MemoryError):
+        out["step_alone_2x_batch"] = _time_fit(model, doubled, seconds)
+    if getattr(model, "steps_per_execution", 1) == 1:
+        out["step_alone_per_call"] = _time_fit(model, held, seconds,
+                                               steps_per_execution=STEPS_PER_EXECUTION)
+    return out
+
+
+def _time_fit(model, dataset, seconds: float, jit_compile: bool | None = None,
+              steps_per_execution: int | None = None) -> float:
+    """Median ms per step of ``model.fit`` on ``dataset`` (batch-end to batch-end, over the
+    steps between two of Keras' calls)."""
     import keras
 
-    if jit_compile is not None:
-        model.jit_compile = jit_compile
+    if jit_compile is not None or steps_per_execution is not None:
+        if jit_compile is not None:
+            model.jit_compile = jit_compile
+        if steps_per_execution is not None:
+            model.steps_per_execution = steps_per_execution
         model.make_train_function(force=True)
     stamps = []
 
     class Stamp(keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
-            stamps.append(time.perf_counter())
-            if len(stamps) > WARMUP_STEPS + 3 and stamps[-1] - stamps[WARMUP_STEPS] > seconds:
+            stamps.append((batch, time.perf_counter()))
+            if len(stamps) > WARMUP_STEPS + 3 and \
+                    stamps[-1][1] - stamps[WARMUP_STEPS][1] > seconds:
                 self.model.stop_training = True
 
     steps = 10_000
     source = dataset.repeat() if int(dataset.cardinality()) >= 0 else dataset
     model.fit(source, epochs=1, steps_per_epoch=steps, verbose=0, callbacks=[Stamp()],
               shuffle=False)
-    gaps = [b - a for a, b in itertools.pairwise(stamps[WARMUP_STEPS:])]
+    gaps = [(t - s) / (b - a) for (a, s), (b, t) in itertools.pairwise(stamps[WARMUP_STEPS:])
+            if b > a]
     return 1000.0 * statistics.median(gaps)
 
 
