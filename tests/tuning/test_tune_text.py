@@ -254,8 +254,11 @@ def test_a_text_tune_records_its_token_figures(text_tune):
     # least one unit per real token, more where rows are padded or wide.
     assert all(text["costs"][mode] >= 1.0 for mode in text["batching"])
     assert text["held_units"] > 0 and text["job"]["batching"] in text["batching"]
-    verified = [r for r in result["candidates"] if "measured" in r]
-    assert verified and all(r["predicted_real_tokens_per_sec"] > 0 for r in verified)
+    candidates = result["candidates"]
+    assert candidates and all(r["predicted_real_tokens_per_sec"] > 0 for r in candidates)
+    # Runs verify candidates while the budget lasts (a loaded CI machine left time for none
+    # at 50 s, after the run of your flags): where none was, the tune names what it skipped.
+    assert [r for r in candidates if "measured" in r] or result["skipped"], result
     assert result["batching"] in text["batching"]
     assert result["real_tokens_per_sec"] > 0 and 0 <= result["padding_fraction"] < 1
     assert result["user"]["resolved"]["batching"] == text["job"]["batching"]
