@@ -311,14 +311,15 @@ def _held_batch(dataset):
 def _step_options(model, held, seconds: float) -> dict:
     """The step alone on a batch twice as large (ms per batch of twice the examples) and,
     where the model runs one step per call, with ``STEPS_PER_EXECUTION`` (ms per step); a
-    timing that fails (the doubled batch out of memory) is left out."""
+    timing that fails (the doubled batch out of memory, or a model built for one batch
+    size) is left out."""
     import tensorflow as tf
 
     out = {}
     first = next(iter(held))
     doubled = tf.data.Dataset.from_tensors(
         tf.nest.map_structure(lambda t: tf.concat([t, t], 0), first)).repeat()
-    with contextlib.suppress(tf.errors.ResourceExhaustedError, MemoryError):
+    with contextlib.suppress(Exception):  # Keras' own errors differ by backend
         out["step_alone_2x_batch"] = _time_fit(model, doubled, seconds)
     if getattr(model, "steps_per_execution", 1) == 1:
         out["step_alone_per_call"] = _time_fit(model, held, seconds,
