@@ -170,7 +170,6 @@ def _same_inputs(train, val) -> bool:
 def _optimized(data, name: str, record: dict):
     import tensorflow as tf
 
-
     if getattr(data, "tfspeed_arrays", False):  # in memory already: nothing to store
         return data
     if not isinstance(data, tf.data.Dataset):

@@ -54,10 +54,11 @@ def diagnose(dataset, model, *, seconds: float = SECONDS, out_dir: str | None = 
         held = _held_batch(dataset)
         ms["step_alone"] = _time_fit(model, held, seconds)
         ms["together"] = _time_fit(model, dataset, seconds)
-        if xla and not model.jit_compile:
-            ms["step_alone_xla"] = _time_fit(model, held, seconds, jit_compile=True)
         if ms["input_alone"] < ms["step_alone"]:  # the step is the limit: what helps it
-            ms.update(_step_options(model, held, seconds))
+            ms.update(_step_options(model, held, seconds))  # without XLA, as step_alone
+        if xla and not model.jit_compile:  # one step per call as given, as step_alone
+            ms["step_alone_xla"] = _time_fit(model, held, seconds, jit_compile=True,
+                                             steps_per_execution=saved[3])
     finally:
         _restore(model, saved)
     plan = graph.plan(dataset)
