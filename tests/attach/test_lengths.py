@@ -182,6 +182,27 @@ def test_a_model_that_ignores_padding_only_at_its_present_weights_is_left_padded
     np.testing.assert_array_equal(embed.embeddings.numpy(), table)  # given back as it was
 
 
+def test_the_check_compares_the_rows_trimming_shortens_even_beside_a_full_row(corpus):
+    # The text tutorial on docstrings: most batches hold one text of 250 tokens or more, so
+    # the batch trimmed to its longest row is the batch itself. The unmasked pooling model
+    # then passed the check, trained on short rows and was validated on padded ones.
+    texts, _, vectorize = corpus
+    long_text = " ".join(texts)  # fills every one of the 128 positions
+    sample = []
+    for batch in tutorial(corpus).take(3):
+        x, y = np.array(batch[0]), np.asarray(batch[1])
+        x[0] = np.asarray(vectorize(tf.constant([long_text])))[0]
+        assert lengths.row_lengths(x)[0] == LENGTH and lengths.row_lengths(x).min() < LENGTH
+        sample.append((x, y))
+    tokens = lengths.find(tutorial(corpus).element_spec)
+    why = lengths.checked(pooled(mask_zero=False), sample, tokens)
+    assert isinstance(why, str) and "does not mask padding" in why, why
+    assert not isinstance(lengths.checked(pooled(mask_zero=True), sample, tokens), str)
+    full = [(np.stack([vectorize(tf.constant([long_text]))[0]] * BATCH), y) for _, y in sample]
+    why = lengths.checked(pooled(mask_zero=True), full, tokens)
+    assert isinstance(why, str) and "no sampled row is shorter" in why, why
+
+
 def test_the_padding_is_reported_without_a_model_and_padding_at_the_start_is_refused(
         corpus, tmp_path):
     out = optimize(tutorial(corpus), cache_dir=str(tmp_path), quiet=True)
