@@ -38,6 +38,23 @@ def test_diagnose_times_a_users_model_and_leaves_it_as_it_was(tmp_path):
     assert model.steps_per_execution == 1
 
 
+def test_a_model_built_by_fit_itself_is_diagnosed_and_left_as_fit_would_build_it():
+    # The Keras text tutorial's way: a Sequential without an Input has no weights before fit.
+    # Its state was taken unbuilt and its restore raised a raw ValueError on the shapes.
+    model = keras.Sequential([keras.layers.Flatten(), keras.layers.Dense(10)])
+    model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"])
+    assert not model.built
+    result = tfspeed.diagnose(digits_pipeline(), model, seconds=0.2)
+    assert result["verdict"] and result["ms_per_batch"]["step_alone"] > 0
+    assert model.built and int(model.optimizer.iterations) == 0
+    kernel = model.layers[-1].kernel.numpy()
+    history = model.fit(digits_pipeline(), epochs=2, verbose=0)  # trains on from there
+    assert history.history["loss"][1] < history.history["loss"][0], history.history
+    assert set(history.history) == {"loss", "accuracy"}
+    assert not np.array_equal(kernel, model.layers[-1].kernel.numpy())
+
+
 def test_a_heavy_step_gets_its_batch_and_steps_per_call_measured(tmp_path):
     """A step slower than its input: the step-side fixes cite their own timings (a batch
     twice as large, steps per call), not "unmeasured"; shown where they measured a gain, or
@@ -124,6 +141,19 @@ def test_a_negligible_input_is_compute_bound_even_when_other_load_slowed_togethe
     ms = {"input_alone": 4.0, "step_alone": 50.0, "together": 80.0}
     shared = verdict.decide(ms, plan, digits_pipeline().element_spec, cores=2)
     assert shared["verdict"].startswith("input-bound")
+
+
+def test_an_input_sharing_the_cpu_gets_only_the_step_fixes_that_measured_a_gain():
+    # Seen under load: the heavy-step test read "by sharing the CPU", and that branch listed
+    # "steps_per_execution=8 ... no gain, keep one per call" beside the input's fixes.
+    plan = graph.plan(digits_pipeline())
+    ms = {"input_alone": 5.0, "step_alone": 10.0, "together": 12.0,
+          "step_alone_2x_batch": 12.0, "step_alone_per_call": 9.8, "step_alone_xla": 10.5}
+    result = verdict.decide(ms, plan, digits_pipeline().element_spec, cores=2)
+    assert result["verdict"] == "input-bound (by sharing the CPU)"
+    advice = [s["advice"] for s in result["next_steps"]]
+    assert any(a.startswith("a batch twice as large (the learning rate") for a in advice)
+    assert not any("no gain" in a for a in advice), advice
 
 
 def test_an_input_slower_than_its_step_is_input_bound_and_optimize_comes_first():

@@ -48,17 +48,18 @@ def diagnose(dataset, model, *, seconds: float = SECONDS, out_dir: str | None = 
     if not getattr(model, "compiled", False) and getattr(model, "optimizer", None) is None:
         raise UsageError("tfspeed.diagnose needs the model compiled (model.compile(...)) as "
                          "the script compiles it before fit")
-    saved = _state(model)
+    first = next(iter(dataset))
+    saved = _state(model, first)
     try:
         ms = {"input_alone": _time_input(dataset, seconds)}
-        held = _held_batch(dataset)
+        held = _held_batch(first)
         ms["step_alone"] = _time_fit(model, held, seconds)
         ms["together"] = _time_fit(model, dataset, seconds)
         if ms["input_alone"] < ms["step_alone"]:  # the step is the limit: what helps it
             ms.update(_step_options(model, held, seconds))  # without XLA, as step_alone
         if xla and not model.jit_compile:  # one step per call as given, as step_alone
             ms["step_alone_xla"] = _time_fit(model, held, seconds, jit_compile=True,
-                                             steps_per_execution=saved[3])
+                                             steps_per_execution=saved[2])
     finally:
         _restore(model, saved)
     plan = graph.plan(dataset)
@@ -96,14 +97,12 @@ def decide(ms: dict, plan, element_spec, cores: int | None = None, given: str = 
         severity = "highly" if wait >= INPUT_BOUND_HIGH_PCT else "moderately"
         verdict = f"input-bound ({severity})"
         why = f"{wait:.0f}% of each step waits for input; {line}"
-        steps += _input_fixes(ms, plan, element_spec, given, scales) + [
-            fix for fix in _step_fixes(ms)  # what then helps the step, where it measured so
-            if "(measured)" in fix["expected_gain"] and fix["score"] > SAME_RATIO]
+        steps += _input_fixes(ms, plan, element_spec, given, scales) + _gaining(ms)
     else:
         verdict = "input-bound (by sharing the CPU)"
         why = (f"{line}: together is {both / max(input_ms, step_ms):.1f}x the slower alone; the "
                "pipeline takes CPU time from the step")
-        steps += _input_fixes(ms, plan, element_spec, given, scales) + _step_fixes(ms)
+        steps += _input_fixes(ms, plan, element_spec, given, scales) + _gaining(ms)
     if wait < INPUT_BOUND_MODERATE_PCT and not steps:
         steps.append({"advice": "nothing to gain on the input side", "expected_gain": "-"})
     steps.sort(key=lambda s: -s.pop("score", 0.0))
@@ -200,6 +199,13 @@ def _scales_first(model) -> bool:
     return bool(layers) and type(layers[0]).__name__ == "Rescaling"
 
 
+def _gaining(ms: dict) -> list[dict]:
+    """The step-side fixes that measured a gain: what helps the step once the input is
+    fixed (a "no gain" line is for a compute-bound step, where it is the question)."""
+    return [fix for fix in _step_fixes(ms)
+            if "(measured)" in fix["expected_gain"] and fix["score"] > SAME_RATIO]
+
+
 def _step_fixes(ms: dict) -> list[dict]:
     fixes = []
     step, xla = ms["step_alone"], ms.get("step_alone_xla")
@@ -251,20 +257,25 @@ def _float_images(element_spec) -> bool:
     return getattr(x, "shape", None) is not None and x.shape.rank == 4 and x.dtype.is_floating
 
 
-def _state(model):
+def _state(model, first):
+    """The model's and its optimizer's variables with their values, and its step options:
+    built first as ``fit`` builds them on its first batch (a Sequential without an
+    ``Input``, as the tutorials write it, has no weights until then)."""
+    build = getattr(model, "_symbolic_build", None)  # Keras 3's own, which fit calls
+    if build is not None and not model.built:
+        build(data_batch=first)
     optimizer = getattr(model, "optimizer", None)
     if optimizer is not None and not optimizer.built:  # as fit would: its slots exist now
         optimizer.build(model.trainable_variables)
-    return ([v.numpy() for v in model.variables],
-            [v.numpy() for v in getattr(model.optimizer, "variables", [])],
-            model.jit_compile, getattr(model, "steps_per_execution", 1))
+    held = [*model.variables, *getattr(optimizer, "variables", [])]
+    return ([(v, v.numpy()) for v in held], model.jit_compile,
+            getattr(model, "steps_per_execution", 1))
 
 
 def _restore(model, saved) -> None:
-    weights, slots, jit, per_call = saved
-    for v, value in zip(model.variables, weights, strict=True):
-        v.assign(value)
-    for v, value in zip(getattr(model.optimizer, "variables", []), slots, strict=True):
+    """The variables back as they were; any the timings created (a metric's) stay."""
+    values, jit, per_call = saved
+    for v, value in values:
         v.assign(value)
     if model.jit_compile != jit or getattr(model, "steps_per_execution", 1) != per_call:
         model.jit_compile = jit
@@ -302,10 +313,9 @@ def _time_replayed(plan, seconds: float) -> float:
     return _time_input(plan.replay(sample.repeat()), seconds)
 
 
-def _held_batch(dataset):
+def _held_batch(first):
     import tensorflow as tf
 
-    first = next(iter(dataset))
     return tf.data.Dataset.from_tensors(first).repeat()
 
 
