@@ -307,6 +307,7 @@ def main(argv):
         raise app.UsageError(f"--routes of {_ROUTES} (optimize_later needs optimize), "
                              f"--models of small, written: got {sorted(bad) or routes}")
     your_pipelines.prepare(root, your_pipelines._IMAGES.value)
+    bench.compile_package()  # tfspeed's bytecode, as an installed copy has it
     names = your_pipelines._ONLY.value or list(your_pipelines.PIPELINES)
     pairs = [(n, m) for n in names for m in _MODELS.value]
     scripts = {pair: write_scripts(root, *pair) for pair in pairs}
