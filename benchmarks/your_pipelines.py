@@ -168,9 +168,13 @@ def numpy_function_pil(root):
         return np.asarray(Image.open(path.decode()).convert("RGB").resize((SIZE, SIZE)),
                           np.uint8)
 
+    def decode(path, label):
+        image = tf.numpy_function(load, [path], tf.uint8)
+        image.set_shape((SIZE, SIZE, 3))  # as scripts add once fit says "unknown rank"
+        return image, label
+
     ds = tf.data.Dataset.from_tensor_slices((paths, labels))
-    ds = ds.map(lambda p, y: (tf.numpy_function(load, [p], tf.uint8), y),
-                num_parallel_calls=AUTOTUNE)
+    ds = ds.map(decode, num_parallel_calls=AUTOTUNE)
     return ds.batch(32).prefetch(AUTOTUNE)
 
 

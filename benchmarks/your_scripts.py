@@ -5,7 +5,7 @@ script that builds a Keras model and calls ``model.fit``, run as written, with o
     python benchmarks/your_scripts.py [--rounds=3] [--epochs=3] [--images=600]
         [--pipelines=...] [--models=small,written] [--routes=as_written,optimize,...]
 
-A round of all 8 pipelines, both models and the 4 routes is 64 processes of 10-60 s each,
+A round of all 9 pipelines, both models and the 4 routes is 72 processes of 10-60 s each,
 most of it the photos' CNN: about 30 minutes on 2 cores shared with other jobs (extrapolated
 from 4 pipelines), less on quiet ones; ``--routes`` and ``--models`` take fewer.
 
@@ -70,6 +70,7 @@ TASKS = {
     "list_files_augment": ("image", (144, 144, 3), None),
     "tfrecord_parse": ("image", (160, 160, 3), "1 / 255"),
     "generator_pil": ("image", (160, 160, 3), "1 / 255"),
+    "numpy_function_pil": ("image", (160, 160, 3), "1 / 255"),
     "digits_arrays": ("digits", (8, 8, 1), None),
     "text_vectorize": ("text", (256,), None),
     "csv_lines": ("table", (10,), None),
