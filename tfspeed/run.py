@@ -17,6 +17,7 @@ line says why.
 
 from __future__ import annotations
 
+import os
 import sys
 
 from tfspeed.util.cli import main_entry
@@ -35,15 +36,17 @@ def main(argv: list[str]) -> None:
     from tfspeed.attach.runner import run_script
 
     argv, numbers = options(argv)
-    run_script(argv[0], argv[1:], numbers["--min_engine_seconds"],
-               numbers["--min_engine_speedup"])
+    fits = run_script(argv[0], argv[1:], numbers["--min_engine_seconds"],
+                      numbers["--min_engine_speedup"])
+    if not fits:
+        print(f"tfspeed.run: {os.path.basename(argv[0])} called no model.fit: it ran as "
+              "written (in a training loop of your own, train = tfspeed.optimize(train) "
+              "speeds up its input)", file=sys.stderr)
 
 
 def options(argv: list[str]) -> tuple[list[str], dict]:
     """``(the script and its arguments, tfspeed's numbers)``; sets ``--cache_dir``. Raises
     ``UsageError`` for a wrong option or a path that is no Python script (no TensorFlow)."""
-    import os
-
     from tfspeed.attach.script import check_script
     from tfspeed.attach.store import ENV_DIR
     from tfspeed.errors import UsageError

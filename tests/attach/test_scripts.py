@@ -361,6 +361,17 @@ def test_a_script_tfspeed_cannot_use_is_one_line(scripts, command, script, messa
     assert message in done.stderr.strip().splitlines()[-1]
 
 
+def test_a_script_without_fit_runs_as_written_and_run_says_it_changed_nothing(scripts):
+    # A loop of the user's own (GradientTape): tfspeed.run used to end in silence.
+    root, _ = scripts
+    done = tfspeed("run", "nofit.py", cwd=root, cache=root / "cache-f")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout == "no training here\n"
+    assert done.stderr.strip().splitlines()[-1] == (
+        "tfspeed.run: nofit.py called no model.fit: it ran as written (in a training loop "
+        "of your own, train = tfspeed.optimize(train) speeds up its input)")
+
+
 def test_diagnose_takes_its_seconds_before_the_script_and_says_what_it_takes(scripts):
     root, _ = scripts
     done = tfspeed("diagnose", "--diagnose_seconds=soon", "nofit.py", cwd=root,
