@@ -129,6 +129,12 @@ MAPPED = DIGITS.replace(".shuffle(256, seed=1)", ".map(lambda a, b: (a * 2 - 1, 
 PEEKED = MAPPED.replace("keras.utils.set_random_seed(1)", """keras.utils.set_random_seed(1)
 print("batch", next(iter(train))[0].shape)
 keras.layers.Normalization().adapt(train.map(lambda a, b: a))""")
+# Fine-tuning's second fit, as the transfer learning tutorial writes it: from the epoch the
+# first ended (initial_epoch), which Keras' own fit runs; its shuffle goes on from the first's.
+FINETUNE = MAPPED.replace("epochs=5, callbacks=[StopAfter()]", "epochs=4, initial_epoch=2")
+# The other way round: the first fit is Keras' own (class weights), the second is not.
+WEIGHTED_FIRST = MAPPED.replace("callbacks=[Events()],", "callbacks=[Events()], "
+                                "class_weight={k: 1.0 for k in range(10)},")
 
 FALLBACKS = '''
 """fit calls the engine does not take: each runs on Keras' fit, with one line."""
@@ -280,6 +286,29 @@ def test_the_step_runs_on_tfspeeds_engine_and_the_script_sees_what_keras_gives(
         assert "epoch 1 on Keras' fit (storing the optimised data" in first, first
         assert "epoch 1 on Keras' fit (replaying the store an earlier fit wrote)" in second
         assert "x: the dataset an earlier fit optimised (storing" in second, second
+
+
+@pytest.mark.parametrize("name, source, epochs, ending", [
+    ("finetune", FINETUNE, [2, 3], "initial_epoch or validation_freq was given"),
+    ("weighted", WEIGHTED_FIRST, [0, 1], "later epochs"),
+])
+def test_a_second_fit_reads_the_first_fits_optimised_dataset_whoever_runs_either(
+        scripts, name, source, epochs, ending):
+    # One fit on Keras' own (initial_epoch, class weights), the other not: the second got a
+    # rewrite of its own, whose shuffle drew its orders from the first again, and the
+    # model's numbers differed from the script's as written.
+    root, _ = scripts
+    assert source != MAPPED
+    (root / f"{name}.py").write_text(source)
+    runs = [tfspeed(*head, f"{name}.py", str(root / f"{name}.keras"), cwd=root,
+                    cache=root / f"cache-{name}") for head in ([None], ["run"])]
+    written, through = (script_figures(run) for run in runs)
+    assert written["stopped_epochs"] == through["stopped_epochs"] == epochs
+    assert written["evaluate"] == through["evaluate"]
+    second = [line for line in runs[1].stdout.splitlines()
+              if line.startswith("tfspeed.run: fit")][1]
+    assert "x: the dataset an earlier fit optimised (storing" in second, second
+    assert ending in second, second
 
 
 def test_what_the_engine_cannot_take_runs_on_keras_fit_with_one_line(scripts):

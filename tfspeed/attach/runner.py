@@ -144,16 +144,25 @@ _AGAIN: set[int] = set()  # ids of the optimised datasets that a later fit got a
 
 
 def _once(data, model=None):
-    """``optimize(data[, model])``, once per dataset and model."""
+    """``optimize(data[, model])``, once per dataset: a later fit on the same dataset gets an
+    earlier fit's rewrite, so that its shuffles go on from the orders that fit drew. Without
+    a model it takes one made for a model that came back as given (nothing in it is for that
+    model alone); with a model, one made without (its model is the one given)."""
     from tfspeed.attach.optimize import optimize
 
     key = (id(data), id(model))
+    if key not in _DONE:
+        key = next((k for k, (_, given, out) in _DONE.items() if k[0] == id(data) and (
+            given is None or (model is None and out[1] is given))), key)
     if key in _DONE:
         out = _DONE[key][2]
         _AGAIN.add(id(out[0] if isinstance(out, tuple) else out))
     else:
         _DONE[key] = (data, model, optimize(data) if model is None else optimize(data, model))
-    return _DONE[key][2]
+    out = _DONE[key][2]
+    if model is None:
+        return out[0] if isinstance(out, tuple) else out
+    return out if isinstance(out, tuple) else (out, model)
 
 
 def _same_inputs(train, val) -> bool:
