@@ -8,7 +8,8 @@ deterministic part that can be materialised once:
 - a shuffle of elements followed by such maps commutes with them (a shuffle permutes positions
   whatever the values, and each map is one element in, one out), so the maps move before it
   and the shuffle replays on the stored elements, with its own seeds: the same orders;
-- a batch right after the stored part is stored too (fewer, larger elements to replay).
+- a batch right after the stored part is stored too (fewer, larger elements to replay);
+- shards read through an ``interleave`` or ``flat_map`` before any map count as the source.
 
 Nothing after a random op, a repeat, a filter behind a shuffle, or an op this module cannot
 rebuild is ever stored: the rest of the chain is rebuilt as it was.
@@ -31,6 +32,11 @@ MAPS = ("_MapDataset", "_ParallelMapDataset")
 BATCHES = ("_BatchDataset", "_ParallelBatchDataset")
 # Deterministic without a function: kept in the stored part where no shuffle precedes them.
 ORDERED = (*BATCHES, "_SkipDataset", "_TakeDataset", "_UnbatchDataset", "_RestructuredDataset")
+# Reading the source through files (``interleave(tf.data.TFRecordDataset)``): part of the
+# source where it comes before any map or shuffle and its function is deterministic. With
+# ``deterministic=False`` its order varies run to run as written; stored, it is the first
+# run's, and every epoch still holds the same elements.
+READERS = ("_InterleaveDataset", "_ParallelInterleaveDataset", "_FlatMapDataset")
 
 
 @dataclasses.dataclass
@@ -94,6 +100,9 @@ def plan(dataset) -> Cut:
             # after it.
             stored = rebuild(node, stored) if pending or cache else node
             maps, moved = maps + 1, moved + bool(pending)
+        elif kind in READERS and stored is nodes[i - 1] and not (maps or pending or cache) \
+                and not impurity(function_ops(node)):
+            stored = node
         elif kind == "CacheDataset" and not pending and maps and _in_memory(node):
             # The store holds what it held, in RAM where it fits the budget, and every
             # later run reads it too: the user's cache would only hold a second copy.
