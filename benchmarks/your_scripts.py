@@ -69,6 +69,7 @@ TASKS = {
     "list_files_map": ("image", (160, 160, 3), None),  # the map divides by 255 already
     "list_files_augment": ("image", (144, 144, 3), None),
     "tfrecord_parse": ("image", (160, 160, 3), "1 / 255"),
+    "tfrecord_interleave": ("image", (160, 160, 3), None),
     "generator_pil": ("image", (160, 160, 3), "1 / 255"),
     "numpy_function_pil": ("image", (160, 160, 3), "1 / 255"),
     "digits_arrays": ("digits", (8, 8, 1), None),
