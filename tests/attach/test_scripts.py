@@ -181,6 +181,8 @@ def scripts(tmp_path_factory):
     (root / "fallbacks.py").write_text(FALLBACKS)
     (root / "compute.py").write_text(COMPUTE)
     (root / "nofit.py").write_text("print('no training here')\n")
+    (root / "boom.py").write_text("def load():\n    raise ValueError('no such column: age')\n"
+                                  "\n\nload()\n")
     return root, str(photos)
 
 
@@ -399,6 +401,17 @@ def test_a_script_without_fit_runs_as_written_and_run_says_it_changed_nothing(sc
     assert done.stderr.strip().splitlines()[-1] == (
         "tfspeed.run: nofit.py called no model.fit: it ran as written (in a training loop "
         "of your own, train = tfspeed.optimize(train) speeds up its input)")
+
+
+@pytest.mark.parametrize("command", ["run", "diagnose"])
+def test_the_scripts_own_error_is_its_traceback_as_python_prints_it(scripts, command):
+    # It came with tfspeed's and runpy's frames on top, as if tfspeed had failed.
+    root, _ = scripts
+    done = tfspeed(command, "boom.py", cwd=root, cache=root / "cache-b")
+    written = tfspeed(None, "boom.py", cwd=root, cache=root / "cache-b")
+    assert done.returncode == written.returncode == 1
+    assert done.stderr.strip().splitlines() == written.stderr.strip().splitlines()
+    assert "tfspeed" not in done.stderr and "runpy" not in done.stderr
 
 
 def test_diagnose_takes_its_seconds_before_the_script_and_says_what_it_takes(scripts):

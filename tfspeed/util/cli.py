@@ -71,12 +71,18 @@ def main_entry(main: Callable[[], int | None],
 
     try:
         status = exit_on_usage_error(main)
-    except (OSError, tf.errors.OpError) as e:
-        message = storage_error(e)
-        if message is None:
+    except Exception as e:
+        message = storage_error(e) if isinstance(e, (OSError, tf.errors.OpError)) else None
+        if message is not None:
+            print(f"error: {message}", file=sys.stderr)
+            status = 2
+        elif getattr(e, "tfspeed_script", None):  # a user's script (tfspeed.run, diagnose)
+            from tfspeed.attach.script import print_error
+
+            print_error(e)
+            status = 1
+        else:
             raise
-        print(f"error: {message}", file=sys.stderr)
-        status = 2
     sys.exit(status)
 
 
