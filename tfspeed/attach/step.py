@@ -79,6 +79,10 @@ def why_not(model, args: dict) -> str | None:
     for method in ("train_step", "compute_loss", "test_step"):
         if getattr(type(model), method) is not getattr(keras.Model, method):
             return f"the model has its own {method}"
+    if _sparse_rows(model) and type(model.optimizer) is not keras.optimizers.SGD:
+        return ("the embedding's gradients are sparse rows, which Keras' fit gives "
+                f"{type(model.optimizer).__name__} as they are and the engine would sum: SGD "
+                "alone updates both alike")
     if isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer):
         return "the optimizer scales the loss (mixed precision): Keras' step owns that"
     strategy = getattr(model, "distribute_strategy", None)  # TensorFlow's backend only
@@ -91,6 +95,20 @@ def why_not(model, args: dict) -> str | None:
     if len(getattr(model, "outputs", None) or [None]) != 1:
         return "the model has several outputs"
     return None
+
+
+def _sparse_rows(model) -> bool:
+    """Whether, on TensorFlow, an embedding of ``model`` trains on gradients of sparse rows
+    (``tf.IndexedSlices``): Keras' own fit gives them to the optimizer as they are, an id
+    repeated in a batch as several rows, which an update not linear in the gradient (Adam's
+    square of it) takes otherwise than the summed row the engine applies."""
+    import keras
+
+    from tfspeed.runtime import backends
+
+    return backends.current().sparse_gradients and any(
+        isinstance(layer, keras.layers.Embedding) and layer.trainable_weights
+        for layer in model._flatten_layers())
 
 
 def _pairs(data) -> bool:

@@ -29,6 +29,8 @@ class Backend:
       tf_function_probes: ``tfspeed.tune``'s candidates can be timed (they are ``tf.function``s).
       augment_in_step: augmentations can run inside the in-step gather.
       compiles_every_step: every step is compiled (so every batching's shapes compile).
+      sparse_gradients: Keras' own fit gives the optimizer an embedding's gradient as sparse
+        rows (``tf.IndexedSlices``), a repeated id as several rows.
     """
 
     name: str
@@ -39,6 +41,7 @@ class Backend:
     tf_function_probes: bool
     augment_in_step: bool
     compiles_every_step: bool
+    sparse_gradients: bool
 
 
 DEFAULT = "tensorflow"  # Keras' own default, without KERAS_BACKEND
@@ -46,10 +49,11 @@ BACKENDS = {
     "tensorflow": Backend("tensorflow", "tfspeed.training.backends.tensorflow:TensorFlowEngine",
                           tf_distribute=True, tf_kernels=True, tf_profiler=True,
                           tf_function_probes=True, augment_in_step=True,
-                          compiles_every_step=False),
+                          compiles_every_step=False, sparse_gradients=True),
     "jax": Backend("jax", "tfspeed.training.backends.jax:JaxEngine",
                    tf_distribute=False, tf_kernels=False, tf_profiler=False,
-                   tf_function_probes=False, augment_in_step=False, compiles_every_step=True),
+                   tf_function_probes=False, augment_in_step=False, compiles_every_step=True,
+                   sparse_gradients=False),
 }
 
 
