@@ -95,33 +95,35 @@ def list_files_augment(root):
     return ds.batch(32).prefetch(AUTOTUNE)
 
 
-def tfrecord_parse(root):
-    """TFRecordDataset -> map(parse + decode) -> shuffle -> batch, as TFRecord tutorials."""
-    files = sorted(glob.glob(os.path.join(root, "records", "*.tfrecord")))
+def _shards(root):
+    return sorted(glob.glob(os.path.join(root, "records", "*.tfrecord")))
+
+
+def _parse_photo(record):
+    """A record's JPEG decoded and resized (floats) and its label."""
     spec = {"image": tf.io.FixedLenFeature([], tf.string),
             "label": tf.io.FixedLenFeature([], tf.int64)}
+    ex = tf.io.parse_single_example(record, spec)
+    return tf.image.resize(tf.io.decode_jpeg(ex["image"], channels=3), (SIZE, SIZE)), ex["label"]
 
+
+def tfrecord_parse(root):
+    """TFRecordDataset -> map(parse + decode) -> shuffle -> batch, as TFRecord tutorials."""
     def parse(record):
-        ex = tf.io.parse_single_example(record, spec)
-        image = tf.image.resize(tf.io.decode_jpeg(ex["image"], channels=3), (SIZE, SIZE))
-        return tf.cast(image, tf.uint8), ex["label"]
+        image, label = _parse_photo(record)
+        return tf.cast(image, tf.uint8), label
 
-    ds = tf.data.TFRecordDataset(files).map(parse, num_parallel_calls=AUTOTUNE)
+    ds = tf.data.TFRecordDataset(_shards(root)).map(parse, num_parallel_calls=AUTOTUNE)
     return ds.shuffle(256, seed=0).batch(32).prefetch(AUTOTUNE)
 
 
 def tfrecord_interleave(root):
     """The tf.data performance guide's reading: shards interleaved in parallel, then parsed."""
-    files = sorted(glob.glob(os.path.join(root, "records", "*.tfrecord")))
-    spec = {"image": tf.io.FixedLenFeature([], tf.string),
-            "label": tf.io.FixedLenFeature([], tf.int64)}
-
     def parse(record):
-        ex = tf.io.parse_single_example(record, spec)
-        image = tf.image.resize(tf.io.decode_jpeg(ex["image"], channels=3), (SIZE, SIZE))
-        return image / 255.0, ex["label"]
+        image, label = _parse_photo(record)
+        return image / 255.0, label
 
-    ds = tf.data.Dataset.from_tensor_slices(files).interleave(
+    ds = tf.data.Dataset.from_tensor_slices(_shards(root)).interleave(
         tf.data.TFRecordDataset, cycle_length=4, num_parallel_calls=AUTOTUNE)
     return ds.map(parse, num_parallel_calls=AUTOTUNE).batch(32).prefetch(AUTOTUNE)
 
@@ -195,8 +197,9 @@ def numpy_function_pil(root):
 
 
 PIPELINES = {f.__name__: f for f in (keras_tutorial, list_files_map, list_files_augment,
-                                      tfrecord_parse, tfrecord_interleave, digits_arrays, text_vectorize,
-                                      csv_lines, generator_pil, numpy_function_pil)}
+                                      tfrecord_parse, tfrecord_interleave, digits_arrays,
+                                      text_vectorize, csv_lines, generator_pil,
+                                      numpy_function_pil)}
 
 
 MODES = ("original", "first", "later", "again")
