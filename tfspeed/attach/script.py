@@ -84,22 +84,11 @@ def run(path: str, argv: list[str], handler: Callable):
     except Stop as stop:
         return stop
     except Exception as e:
-        e.tfspeed_script = path  # the script's own error: shown as Python shows it
+        e.tfspeed_script = path  # the script's own error: cli shows it as Python does
         raise
     finally:
         sys.argv, sys.path[:] = old_argv, old_path
     return None
-
-
-def print_error(error: BaseException) -> None:
-    """``error`` as ``python SCRIPT`` prints it: its traceback from the script's own first
-    frame (tfspeed's and runpy's frames above it are not the script's)."""
-    import traceback
-
-    tb = error.__traceback__
-    while tb is not None and tb.tb_frame.f_code.co_filename != error.tfspeed_script:
-        tb = tb.tb_next
-    traceback.print_exception(type(error), error, tb or error.__traceback__)
 
 
 def as_dataset(model, args: dict):

@@ -77,13 +77,22 @@ def main_entry(main: Callable[[], int | None],
             print(f"error: {message}", file=sys.stderr)
             status = 2
         elif getattr(e, "tfspeed_script", None):  # a user's script (tfspeed.run, diagnose)
-            from tfspeed.attach.script import print_error
-
-            print_error(e)
+            _print_script_error(e)
             status = 1
         else:
             raise
     sys.exit(status)
+
+
+def _print_script_error(error: BaseException) -> None:
+    """A user's script's own error as ``python SCRIPT`` prints it: its traceback from the
+    script's first frame (tfspeed's and runpy's frames above it are not the script's)."""
+    import traceback
+
+    tb = error.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename != error.tfspeed_script:
+        tb = tb.tb_next
+    traceback.print_exception(type(error), error, tb or error.__traceback__)
 
 
 def _check_keras_backend() -> None:
