@@ -162,7 +162,7 @@ def test_a_model_that_would_change_is_left_padded_with_its_line(
     out, got = optimize(tutorial(corpus), given, cache_dir=str(tmp_path))
     assert got is given and out.element_spec == tutorial(corpus).element_spec
     said = [x for x in capsys.readouterr().err.splitlines() if x.startswith("tfspeed.optimize")]
-    assert len(said) == 1 and f"text left padded: {words}" in said[0]
+    assert len(said) == 1 and f"text not batched by length: {words}" in said[0]
     assert any(words in u for u in out.tfspeed_report.unchanged)
 
 
@@ -228,3 +228,16 @@ def test_without_a_model_optimize_computes_none_of_the_text_pipeline(tmp_path):
     out = optimize(ds.map(poisoned), cache_dir=str(tmp_path), quiet=True)
     assert any("padded to 32" in u and "give the model" in u
                for u in out.tfspeed_report.unchanged)
+
+
+def test_unpadded_token_windows_are_not_called_padded(tmp_path, capsys):
+    """Text generation's windows (every position a character of real text, no padding):
+    nothing to trim, and the line says so without calling the rows padded."""
+    text = " ".join(paragraphs()[:40])
+    ids = np.array([1 + ord(c) % (VOCAB - 1) for c in text], np.int64)
+    windows = ids[:(len(ids) // 65) * 65].reshape(-1, 65)
+    ds = tf.data.Dataset.from_tensor_slices((windows[:, :-1], windows[:, -1] % 3)).batch(BATCH)
+    out, got = optimize(ds, masked_gru(), cache_dir=str(tmp_path))
+    (said,) = [x for x in capsys.readouterr().err.splitlines() if x.startswith("tfspeed.optimize")]
+    assert "text not batched by length: its rows fill most of their 64 positions" in said, said
+    assert "padded" not in said, said

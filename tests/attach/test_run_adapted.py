@@ -143,7 +143,7 @@ def test_a_padded_text_script_is_batched_by_length_or_says_why_not(root):
                    cwd=root, cache=root / "cache-t")
     figures = script_figures(done)
     (line,) = fit_lines(done)
-    assert "text batched by length" in line or "text left padded: " in line, line
+    assert "text batched by length" in line or "text not batched by length: " in line, line
     assert "give the model" not in line, line
     assert figures["epoch"] == [0, 1, 2]
     assert figures["evaluate"] == pytest.approx(figures["val_accuracy"][-1], abs=1e-6)

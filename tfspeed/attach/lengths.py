@@ -187,7 +187,7 @@ def by_length(dataset, source, model, report, probe_seconds: float):
 def _refused(dataset, model, report, why: str):
     report.unchanged.append(f"text: {why}")
     if model is not None:  # asked for: the printed line says why not
-        report.verdict += f"; text left padded: {why}"
+        report.verdict += f"; text not batched by length: {why}"
     return dataset, model
 
 
@@ -273,7 +273,7 @@ def _accepting(model, batch, tokens: Tokens):
         rebuilt(_trimmed(batch, tokens, MIN_WIDTH), training=False)
     except Exception as e:  # noqa: BLE001  a Flatten or Dense over the sequence
         return (f"the model takes only rows of {tokens.length} tokens, and rebuilt for any "
-                f"length it fails ({str(e).splitlines()[0][:100]}): left padded")
+                f"length it fails ({str(e).splitlines()[0][:100]})")
     # Compiled as the user's, with its optimizer: fit trains the same variables and slots.
     rebuilt.compile(**{**model._compile_config.config, "optimizer": model.optimizer})
     return rebuilt
@@ -321,7 +321,7 @@ def _compare(model, batches, tokens: Tokens) -> str:
             a, b = np.asarray(a), np.asarray(b)
             if a.shape != b.shape:
                 return (f"the model's outputs are per token ({a.shape[1:]} padded, "
-                        f"{b.shape[1:]} trimmed): left padded")
+                        f"{b.shape[1:]} trimmed)")
             bound = TOLERANCE * (np.abs(a) + np.abs(a).mean())
             close = (np.abs(a - b) <= bound) | (np.isnan(a) & np.isnan(b))
             if not close.all():
