@@ -111,6 +111,36 @@ def test_optimize_runs_the_map_in_workers_or_says_why_not(photo_paths, tmp_path)
     assert same(elements(out), elements(numpy_map(photo_paths)))
 
 
+CALLS = {"n": 0}
+
+
+def counted_load(path):
+    CALLS["n"] += 1  # in this process only: a worker counts in its own copy
+    return load(path)
+
+
+def test_the_probe_runs_the_map_alone_on_the_inputs_it_times_and_ends_its_workers(
+        photo_paths, tmp_path):
+    """A first run times the Python map alone, as written and in workers, each over the
+    inputs the timing needs (its workers' elements read here, not through from_generator,
+    whose use made a numpy_function pipeline as written stall at the end of later epochs);
+    then no worker of the probe is left running."""
+    paths = photo_paths * 17  # 204 paths, 51 batches of 4: a tenth is 5 batches after the first
+    ds = tf.data.Dataset.from_tensor_slices((paths, np.arange(len(paths)) % 2))
+    ds = ds.map(lambda p, y: (tf.numpy_function(counted_load, [p], tf.uint8), y),
+                num_parallel_calls=tf.data.AUTOTUNE).batch(4).prefetch(tf.data.AUTOTUNE)
+    CALLS["n"] = 0
+    out = optimize(ds, cache_dir=str(tmp_path), quiet=True)
+    assert CALLS["n"] == 24, CALLS  # (5 + 1) batches of 4, computed once here by the probe
+    report = out.tfspeed_report
+    assert report.line().endswith(
+        f"; its Python map, in this process -> in workers, {report.before_per_s:,.0f} -> "
+        f"{report.after_per_s:,.0f} elements/s ({report.after_per_s / report.before_per_s:.1f}x)")
+    if out is ds:
+        assert children() == []
+    assert same(elements(out), elements(ds))
+
+
 def test_an_unpicklable_function_leaves_the_pipeline_as_written(photo_paths, tmp_path):
     lock = threading.Lock()  # a closure over a lock: cloudpickle cannot send it
 

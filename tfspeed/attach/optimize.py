@@ -33,8 +33,9 @@ USER_ATTRIBUTES = ("class_names", "file_paths")
 @dataclasses.dataclass
 class Report:
     """What ``optimize`` did: ``changed`` and ``unchanged`` in words, the store, and the
-    stored part's elements/s timed (``before``: computed as written, ``after``: read from the
-    store) over ``probe_elements`` elements, where a store was read."""
+    elements/s of ``timed`` (the stored part: ``before`` computed as written, ``after`` read
+    from the store, over ``probe_elements`` elements where a store was read; or the Python,
+    in this process and in worker processes)."""
 
     changed: list[str] = dataclasses.field(default_factory=list)
     unchanged: list[str] = dataclasses.field(default_factory=list)
@@ -44,6 +45,7 @@ class Report:
     after_per_s: float | None = None
     probe_elements: int = 0
     verdict: str = ""
+    timed: str = "stored part"
 
     def leave(self, reason: str) -> None:
         """Records that the pipeline is left as written, and why."""
@@ -53,7 +55,7 @@ class Report:
     def line(self) -> str:
         rates = ""
         if self.before_per_s and self.after_per_s:
-            rates = (f"; stored part {self.before_per_s:,.0f} -> {self.after_per_s:,.0f} "
+            rates = (f"; {self.timed} {self.before_per_s:,.0f} -> {self.after_per_s:,.0f} "
                      "elements/s "
                      f"({self.after_per_s / self.before_per_s:.1f}x)")
         return f"tfspeed.optimize: {self.verdict}{rates}"

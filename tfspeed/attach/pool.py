@@ -256,6 +256,12 @@ class Workers:
             else:
                 pool.close()
 
+    def close(self) -> None:
+        """Ends the idle pools now (a pass still running keeps its own until it ends)."""
+        with self.lock:
+            idle, self.idle[:] = list(self.idle), []
+        _close_all(idle)
+
     def _expire(self, pool: Pool, returned: object) -> None:
         with self.lock:
             if pool not in self.idle or pool.returned is not returned:  # taken meanwhile
