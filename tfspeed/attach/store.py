@@ -220,9 +220,11 @@ def sanitize(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "_", text)
 
 
-def timed_pass(dataset, seconds: float, most: int, keep: int = 0) -> tuple[float, int, list]:
-    """Elements/s of one pass's start, after its first element (the warm-up), over at most
-    ``most`` elements or ``seconds``: the one timing optimize and its worker probe share.
+def timed_pass(dataset, seconds: float, most: int, keep: int = 0,
+               warm: int = 1) -> tuple[float, int, list]:
+    """Elements/s of one pass's start, after its first ``warm`` elements (the warm-up), over
+    at most ``most`` elements or ``seconds``: the one timing optimize and its worker probe
+    share.
 
     Returns:
       The rate, how many elements were timed, and the first ``keep`` elements as lists of
@@ -237,11 +239,12 @@ def timed_pass(dataset, seconds: float, most: int, keep: int = 0) -> tuple[float
         return [np.asarray(t) for t in tf.nest.flatten(element)]
 
     it, kept = iter(dataset), []
-    first = next(it, None)
-    if first is None:
-        return 0.0, 0, kept
-    if keep:
-        kept.append(kept_form(first))
+    for _ in range(warm):
+        first = next(it, None)
+        if first is None:
+            return 0.0, 0, kept
+        if len(kept) < keep:
+            kept.append(kept_form(first))
     n, start = 0, time.perf_counter()
     for element in it:
         n += 1

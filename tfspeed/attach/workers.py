@@ -287,9 +287,12 @@ def _time(dataset, out, seconds: float) -> dict:
 
 
 def _contest(dataset, before_ds, after_ds, most: int, probe_workers, seconds: float) -> dict:
-    before, want = _probe(before_ds, seconds, most)
+    # Alone, a map's elements come one from each worker in turn: each worker's first one is
+    # its start (a fresh interpreter and the function's imports), warm-up for both contenders.
+    warm = probe_workers.size if probe_workers is not None else 1
+    before, want = _probe(before_ds, seconds, most, warm)
     try:
-        after, got = _probe(after_ds, seconds, most)
+        after, got = _probe(after_ds, seconds, most, warm)
     except Exception as e:  # noqa: BLE001  TF wraps the worker's one line in its own error
         lines = str(e).splitlines()
         return {"failed": next((x.strip() for x in lines if "worker process" in x),
@@ -327,18 +330,18 @@ def _map_alone(dataset, count: int, most: int):
     plan, _ = map_plan(node)
     if count <= 0 or taken <= 0 or plan is None:
         return None
-    base = upstream.take(min(taken, math.ceil((most + 1) * taken / count)))
+    base = upstream.take(min(taken, max(cores() + 2, math.ceil((most + 1) * taken / count))))
     workers = Workers(plan["fn"], cores(), plan["eager"], plan["count"])
     return (graph.rebuild(node, base), workers.run(_mapped(base, node.element_spec, plan)),
             1 << 30, workers)
 
 
-def _probe(dataset, seconds: float, most: int) -> tuple[float, list]:
-    """Elements/s of one pass's start after its first element (the warm-up), and its first
+def _probe(dataset, seconds: float, most: int, warm: int = 1) -> tuple[float, list]:
+    """Elements/s of one pass's start after its first ``warm`` elements, and its first
     elements (at most 64, to compare)."""
     from tfspeed.attach.store import timed_pass
 
-    rate, _, kept = timed_pass(dataset, seconds, most, keep=64)
+    rate, _, kept = timed_pass(dataset, seconds, most, keep=64, warm=warm)
     return rate, kept
 
 
