@@ -277,16 +277,16 @@ def _time(dataset, out, seconds: float) -> dict:
     count = int(dataset.cardinality())
     most = max(2, count // PROBE_SHARE_OF_EPOCH) if count > 0 else 1 << 30
     alone = _map_alone(dataset, count, most)
-    if alone is not None:
-        timed = _contest(dataset, *alone, seconds)
+    if alone is not None:  # each pass runs to the end of its cut input
+        timed = _contest(dataset, *alone, 1 << 30, seconds)
         if timed.get("failed") or not timed["same"] or (
                 timed["after_per_s"] < KEEP_MARGIN * timed["before_per_s"]):
             return {**timed, "timed": "its Python map"}
-    return {**_contest(dataset, graph.copy(dataset), out, most, None, seconds),
+    return {**_contest(dataset, graph.copy(dataset), out, None, most, seconds),
             "timed": "the pipeline"}
 
 
-def _contest(dataset, before_ds, after_ds, most: int, probe_workers, seconds: float) -> dict:
+def _contest(dataset, before_ds, after_ds, probe_workers, most: int, seconds: float) -> dict:
     # Alone, a map's elements come one from each worker in turn: each worker's first one is
     # its start (a fresh interpreter and the function's imports), warm-up for both contenders.
     warm = probe_workers.size if probe_workers is not None else 1
@@ -311,7 +311,7 @@ def _map_alone(dataset, count: int, most: int):
     generator or more Python, or a count is unknown.
 
     Returns:
-      (the map as written, the workers' pass, elements to time, the probe's workers).
+      (the map as written, the workers' pass, the probe's workers).
 
     Once a process has iterated any ``from_generator`` (the rewrite is one), its
     numpy_function maps as written stalled about 0.6 s at the end of one epoch in two
@@ -332,8 +332,7 @@ def _map_alone(dataset, count: int, most: int):
         return None
     base = upstream.take(min(taken, max(cores() + 2, math.ceil((most + 1) * taken / count))))
     workers = Workers(plan["fn"], cores(), plan["eager"], plan["count"])
-    return (graph.rebuild(node, base), workers.run(_mapped(base, node.element_spec, plan)),
-            1 << 30, workers)
+    return graph.rebuild(node, base), workers.run(_mapped(base, node.element_spec, plan)), workers
 
 
 def _probe(dataset, seconds: float, most: int, warm: int = 1) -> tuple[float, list]:
