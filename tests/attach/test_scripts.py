@@ -143,7 +143,7 @@ model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(1, activation="
 model.compile("adam", "binary_crossentropy", metrics=[keras.metrics.AUC()])
 model.fit(data, epochs=2, verbose=0)
 model.compile("adam", "binary_crossentropy", metrics=["accuracy"])
-model.fit(data, epochs=2, class_weight={0: 1.0, 1: 2.0}, verbose=0)
+model.fit(data, epochs=3, initial_epoch=1, class_weight={0: 1.0, 1: 2.0}, verbose=0)
 print("SCRIPT done")
 '''
 
@@ -293,6 +293,7 @@ def test_what_the_engine_cannot_take_runs_on_keras_fit_with_one_line(scripts):
                              "of per-example values")
     assert lines[1].endswith("the step ran on Keras' own fit: fit(class_weight=...) is "
                              "Keras' own")
+    assert lines[1].startswith("tfspeed.run: fit 2: epoch 2 "), lines[1]  # from initial_epoch
 
 
 def test_diagnose_gives_a_verdict_on_the_scripts_first_fit_and_stops_it(scripts):

@@ -28,8 +28,10 @@ history = model.fit(data, epochs=3, verbose=0)
 print("SCRIPT " + json.dumps({"loss": history.history["loss"]}))
 '''
 # Fine-tuning's second fit, as the transfer learning tutorial writes it: from the epoch the
-# first ended (initial_epoch), which Keras' own fit runs; its shuffle goes on from the first's.
-FINETUNE = MAPPED.replace("epochs=5, callbacks=[StopAfter()]", "epochs=4, initial_epoch=2")
+# first ended (initial_epoch), its shuffle going on from the first's; the script's callback
+# sees the epochs numbered from there.
+FINETUNE = MAPPED.replace("epochs=5, callbacks=[StopAfter()]",
+                          "epochs=4, initial_epoch=2, callbacks=[Events()]")
 
 
 @pytest.fixture(scope="module")
@@ -43,19 +45,46 @@ def root(tmp_path_factory):
     return folder
 
 
-def test_a_fine_tuning_fit_reads_the_first_fits_optimised_dataset(root):
-    # Keras runs the second fit itself (initial_epoch): it got a rewrite of its own, whose
+@pytest.fixture(scope="module")
+def finetune_written(root) -> dict:
+    return script_figures(tfspeed(None, "finetune.py", str(root / "w.keras"), cwd=root,
+                                  cache=root / "cache-w"))
+
+
+def _fit_lines(done) -> list[str]:
+    return [line for line in done.stdout.splitlines() if line.startswith("tfspeed.run: fit")]
+
+
+def test_a_fine_tuning_fit_reads_the_first_fits_optimised_dataset(root, finetune_written):
+    # Once, Keras ran the second fit itself (initial_epoch) on a rewrite of its own, whose
     # shuffle drew its orders from the first again, and the model's numbers differed from
     # the script's as written (0.4625 against 0.475).
-    runs = [tfspeed(*head, "finetune.py", str(root / "f.keras"), cwd=root,
-                    cache=root / "cache-ft") for head in ([None], ["run"])]
-    written, through = (script_figures(run) for run in runs)
-    assert written["stopped_epochs"] == through["stopped_epochs"] == [2, 3]
-    assert written["evaluate"] == through["evaluate"]
-    second = [line for line in runs[1].stdout.splitlines()
-              if line.startswith("tfspeed.run: fit")][1]
+    done = tfspeed("run", "finetune.py", str(root / "f.keras"), cwd=root,
+                   cache=root / "cache-ft")
+    through = script_figures(done)
+    assert finetune_written["stopped_epochs"] == through["stopped_epochs"] == [2, 3]
+    assert finetune_written["evaluate"] == through["evaluate"]
+    assert finetune_written["events"] == through["events"]
+    second = _fit_lines(done)[1]
     assert "x: the dataset an earlier fit optimised (storing" in second, second
-    assert second.endswith("initial_epoch or validation_freq was given"), second
+    # By default its one epoch after the first is too short for the engine: numbered as the
+    # script numbers them, from initial_epoch=2 (epochs 3 and 4 of 4).
+    assert "epoch 3 on Keras' fit (replaying the store an earlier fit wrote); epoch 4 stayed " \
+        "on Keras' fit: the 1 epoch left would take" in second, second
+
+
+def test_a_fit_from_initial_epoch_runs_its_later_epochs_on_the_engine(root, finetune_written):
+    """Before, any ``initial_epoch`` kept a fit on Keras' fit. On the engine the script sees
+    what Keras gives: History's epochs from initial_epoch, its callbacks' epoch numbers and
+    logs, and the optimizer's updates counted on."""
+    done = tfspeed("run", "--min_engine_seconds=0", "finetune.py", str(root / "e.keras"),
+                   cwd=root, cache=root / "cache-fe")
+    through = script_figures(done)
+    for key in ("stopped_epochs", "events", "iterations", "keys", "epoch"):
+        assert through[key] == finetune_written[key], key
+    second = _fit_lines(done)[1]
+    assert "epoch 3 on Keras' fit" in second and "on tfspeed's engine" in second, second
+    assert "stayed on Keras' fit" not in second and "back on Keras' fit" not in second, second
 
 
 def test_a_fit_with_the_model_reads_a_dataset_an_earlier_fit_optimised_without_it(tmp_path):

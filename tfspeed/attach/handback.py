@@ -64,10 +64,10 @@ def judge(record: dict, min_speedup: float, epochs_left: int):
         engine_rate, how = settled_rate(clocks["engine"][-1], first=done == 1)
         if not keras_rate or not engine_rate:
             return False  # judged at the next epoch's end
-        batch = record.get("batch", 1)
+        batch, initial = record.get("batch", 1), record.get("initial", 0)
         record["engine_check"] = (
-            f"the engine's epoch {done + 1} {engine_rate * batch:.0f} examples/s ({how}) "
-            f"against Keras' epoch 1 {keras_rate * batch:.0f} "
+            f"the engine's epoch {initial + done + 1} {engine_rate * batch:.0f} examples/s "
+            f"({how}) against Keras' epoch {initial + 1} {keras_rate * batch:.0f} "
             f"({engine_rate / keras_rate:.2f}x)")
         if engine_rate >= min_speedup * keras_rate:
             return False

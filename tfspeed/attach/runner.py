@@ -62,7 +62,7 @@ def run_script(path: str, argv: list[str], min_engine_seconds: float | None = No
               else min_engine_speedup}
 
     def handler(model, fit, args):
-        record = {"changed": [], "epoch_seconds": []}
+        record = {"changed": [], "epoch_seconds": [], "initial": args.get("initial_epoch") or 0}
         fits.append(record)
         # NumPy arrays as the batches Keras' fit makes of them, where the engine takes the
         # fit that way; else as written.
@@ -231,6 +231,7 @@ def _summary(n: int, record: dict) -> str:
     # Both on Keras' fit: epoch 1 against the later epochs is Keras' own compile and the
     # store's first pass, not a speed tfspeed gave; no ratio is printed for it.
     later = statistics.median(times[1:])
-    return (f"tfspeed.run: fit {n}: epoch 1 {times[0]:.2f} s ({step.first_epoch(record)}; "
+    return (f"tfspeed.run: fit {n}: epoch {record['initial'] + 1} {times[0]:.2f} s "
+            f"({step.first_epoch(record)}; "
             f"it also compiles the step), later epochs {later:.2f} s median; "
             + "; ".join(record["changed"]))

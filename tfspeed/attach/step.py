@@ -65,14 +65,14 @@ def why_not(model, args: dict) -> str | None:
         return f"fit({', '.join(others)}=...) is Keras' own"
     if args.get("y") is not None:
         return "y= was given beside a dataset"
-    if (args.get("initial_epoch") or 0) or args.get("validation_freq", 1) != 1:
-        return "initial_epoch or validation_freq was given"
+    if args.get("validation_freq", 1) != 1:
+        return "validation_freq was given"
     if val is not None and not isinstance(val, tf.data.Dataset):
         return f"validation_data is a {type(val).__name__}, not a tf.data.Dataset"
     for name, data in (("x", x), ("validation_data", val)):
         if data is not None and not _pairs(data):
             return f"{name} yields no (inputs, labels) pairs (sample weights, or inputs alone)"
-    if args.get("epochs", 1) < 2:
+    if args.get("epochs", 1) - (args.get("initial_epoch") or 0) < 2:
         return "one epoch: too short to measure Keras' pace against the engine's"
     if getattr(model, "_compile_config", None) is None or model.optimizer is None:
         return "the model is not compiled"
@@ -217,6 +217,9 @@ def run_fit(model, fit, args: dict, record: dict,
     first = args.get("first") or first_batch(args.get("written", args)["x"])
     record["batch"] = int(keras.tree.flatten(first[1])[0].shape[0])
     epochs, verbose = args.get("epochs", 1), args.get("verbose", "auto")
+    # A fit from initial_epoch on (fine-tuning's second fit): the script's epoch numbers
+    # start there, on Keras' fit, the engine and back alike.
+    initial = record["initial"] = args.get("initial_epoch") or 0
     verbose = 1 if verbose == "auto" else verbose
     history = keras.callbacks.History()
     steps = int(args["x"].cardinality())
@@ -230,14 +233,16 @@ def run_fit(model, fit, args: dict, record: dict,
     def move() -> bool:
         """At epoch 1's end: whether the epochs left move to the engine; else they go on in
         the same Keras fit (a second fit would cost its setup again), and the record says why."""
-        if len(keras_clock) != 1 or epochs < 2:
+        left = epochs - initial - 1
+        if len(keras_clock) != 1 or left < 1:
             return False
-        rest = _keras_seconds(keras_clock[0]) * (epochs - 1)
+        rest = _keras_seconds(keras_clock[0]) * left
         if rest < min_engine_seconds:
             record["keras_rest"] = (
-                f"the {epochs - 1} epochs left would take ~{rest:.1f} s on Keras' fit (epoch 1 "
-                f"measured), under {min_engine_seconds:g} s: too short to repay the engine's "
-                "setup and compile; --min_engine_seconds=0 moves them anyway")
+                f"the {left} epoch{'s' if left > 1 else ''} left would take ~{rest:.1f} s on "
+                f"Keras' fit (epoch {initial + 1} measured), under {min_engine_seconds:g} s: "
+                "too short to repay the engine's setup and compile; --min_engine_seconds=0 "
+                "moves them anyway")
         elif varying := _varying(args["x"]):
             record["keras_rest"] = varying
         return "keras_rest" not in record
@@ -245,7 +250,7 @@ def run_fit(model, fit, args: dict, record: dict,
     model.stop_training = False  # as Keras' fit does: epoch 1 may train a model around it
     relay = _relay(inner, keras_clock, first=True, user=model, slower=move)
     fit(args.get("engine_model", model), args["x"], validation_data=args.get("validation_data"),
-        epochs=epochs, verbose=0, callbacks=[relay])
+        epochs=epochs, initial_epoch=initial, verbose=0, callbacks=[relay])
     if relay.handed_back:  # epoch 1 ended with the rest moving to the engine
         args.get("engine_model", model).stop_training = False  # the relay's stop, not a user's
         _rest_on_engine(model, fit, args, epochs, inner, record, min_speedup)
@@ -254,34 +259,34 @@ def run_fit(model, fit, args: dict, record: dict,
 
 
 def _rest_on_engine(model, fit, args, epochs: int, inner, record, min_speedup: float) -> None:
-    """Epochs 2 on, on the engine; where its job refuses the data or model before any step
-    (a ``UsageError``), on Keras' fit, the reason in ``record["keras_rest"]``; where its
-    first epoch ran slower than Keras' (``handback``), the epochs after it on Keras' fit,
-    the reason in ``record["handed_back"]``."""
+    """The epochs after Keras' first on the engine; where its job refuses the data or model
+    before any step (a ``UsageError``), on Keras' fit, the reason in ``record["keras_rest"]``;
+    where its first epoch ran slower than Keras' (``handback``), the epochs after it on
+    Keras' fit, the reason in ``record["handed_back"]``."""
     from tfspeed.errors import UsageError
 
-    clock = record["epochs"]["engine"]
+    clock, done = record["epochs"]["engine"], record["initial"] + 1  # epochs trained
     model_dir = tempfile.mkdtemp(prefix="tfspeed-run-")
-    slower = handback.judge(record, min_speedup, epochs - 2)
+    slower = handback.judge(record, min_speedup, epochs - done - 1)
     try:
         record["engine"] = _engine_fit(
             args.get("engine_model", model), args["x"], args.get("validation_data"),
-            epochs - 1, *args["goals"], model_dir,
-            _relay(inner, clock, offset=1, user=model, slower=slower))
+            epochs - done, *args["goals"], model_dir,
+            _relay(inner, clock, offset=done, user=model, slower=slower))
     except UsageError as e:
         if clock:  # met while training: the script's own mistake, as Keras would meet it
             raise
         record["keras_rest"] = str(e)
-        _rest_on_keras(model, fit, args, epochs, inner, record)
+        _rest_on_keras(model, fit, args, epochs, inner, record, done)
     finally:
         shutil.rmtree(model_dir, ignore_errors=True)
     if "handed_back" in record:
-        _rest_on_keras(model, fit, args, epochs, inner, record, 1 + len(clock))
+        _rest_on_keras(model, fit, args, epochs, inner, record, done + len(clock))
 
 
-def _rest_on_keras(model, fit, args, epochs: int, inner, record, initial: int = 1) -> None:
-    """Epochs ``initial + 1`` on, on Keras' fit as epoch 1 ran (the optimised data, the
-    model that takes it), numbered on and ending the run."""
+def _rest_on_keras(model, fit, args, epochs: int, inner, record, initial: int) -> None:
+    """Epochs ``initial + 1`` on, on Keras' fit as its first epoch ran (the optimised data,
+    the model that takes it), numbered on and ending the run."""
     fit(args.get("engine_model", model), args["x"], validation_data=args.get("validation_data"),
         epochs=epochs, initial_epoch=initial, verbose=0,
         callbacks=[_relay(inner, record["epochs"]["keras"], user=model)])
@@ -405,15 +410,17 @@ def summary(n: int, record: dict) -> str:
     import statistics
 
     keras_epochs, engine_epochs = record["epochs"]["keras"], record["epochs"]["engine"]
-    first = f"epoch 1 on Keras' fit ({first_epoch(record)})"
+    initial = record.get("initial", 0)  # the script's numbering: from its initial_epoch
+    first = f"epoch {initial + 1} on Keras' fit ({first_epoch(record)})"
     if "keras_rest" in record:
-        return (f"tfspeed.run: fit {n}: {first}; {_span(2, len(keras_epochs))} stayed on "
-                "Keras' fit: "
+        rest = _span(initial + 2, initial + len(keras_epochs))
+        return (f"tfspeed.run: fit {n}: {first}; {rest} stayed on Keras' fit: "
                 f"{record['keras_rest']}; epoch seconds {_seconds(keras_epochs)}")
     if "handed_back" in record:
-        on, last = 1 + len(engine_epochs), len(keras_epochs) + len(engine_epochs)
-        return (f"tfspeed.run: fit {n}: {first}, {_span(2, on)} on tfspeed's engine, "
-                f"{_span(on + 1, last)} back on Keras' fit: {record['handed_back']}; epoch "
+        on = initial + 1 + len(engine_epochs)
+        last = initial + len(keras_epochs) + len(engine_epochs)
+        return (f"tfspeed.run: fit {n}: {first}, {_span(initial + 2, on)} on tfspeed's "
+                f"engine, {_span(on + 1, last)} back on Keras' fit: {record['handed_back']}; epoch "
                 f"seconds {_seconds(keras_epochs[:1])} on Keras, {_seconds(engine_epochs)} "
                 f"on tfspeed, {_seconds(keras_epochs[1:])} on Keras")
     before = handback.epoch_rate(keras_epochs[0], warm=False) if keras_epochs else None
@@ -421,10 +428,11 @@ def summary(n: int, record: dict) -> str:
     after = statistics.median(later) if later else (
         handback.epoch_rate(engine_epochs[0], warm=False) if engine_epochs else None)
     batch = record["batch"]
-    last = len(engine_epochs) + 1  # the script's numbering: epoch 1 ran on Keras
-    which = (f"epoch{'s 3-' if last > 3 else ' '}{last} on tfspeed's engine"
+    last = initial + len(engine_epochs) + 1  # the first ran on Keras
+    which = (f"{_span(initial + 3, last)} on tfspeed's engine"
              + (", median" if len(later) > 1 else "") if later
-             else "epoch 2 on tfspeed's engine past its first call, which compiles")
+             else f"epoch {initial + 2} on tfspeed's engine past its first call, which "
+                  "compiles")
     if not before or not after:
         return (f"tfspeed.run: fit {n}: too few steps to time ({first}, "
                 f"{len(engine_epochs)} on tfspeed's engine)")
