@@ -140,9 +140,6 @@ def test_augmentation_stays_random_and_is_never_stored(photo_folder, tmp_path):
     (lambda: tf.data.Dataset.range(8).map(
         lambda i: tf.py_function(lambda v: v * 2, [i], tf.int64) + 1).batch(2),
      "does TensorFlow ops (AddV2"),
-    (lambda: tf.data.Dataset.from_generator(
-        lambda n: iter(range(n)), args=(8,), output_signature=tf.TensorSpec((), tf.int64)
-    ).batch(2), "passes args= to the generator"),
     (lambda: tf.data.Dataset.range(8).shuffle(8).batch(2), "nothing is worth storing"),
 ])
 def test_a_pipeline_that_cannot_be_stored_is_left_as_written_with_one_line(

@@ -43,6 +43,17 @@ def photo_generator(paths):
     return tf.data.Dataset.from_generator(gen, output_signature=sig).batch(4)
 
 
+def photo_generator_with_args(paths):
+    """The paths and a number given as from_generator(args=...): the generator receives them
+    as TensorFlow converts them (an array of bytes, a NumPy integer), in a worker too."""
+    def gen(given, classes):
+        assert isinstance(given, np.ndarray) and isinstance(given[0], bytes), type(given)
+        for k, p in enumerate(given):
+            yield load(p), k % int(classes)
+    sig = (tf.TensorSpec((SIZE, SIZE, 3), tf.uint8), tf.TensorSpec((), tf.int32))
+    return tf.data.Dataset.from_generator(gen, args=(paths, 2), output_signature=sig).batch(4)
+
+
 def numpy_map(paths):
     ds = tf.data.Dataset.from_tensor_slices((paths, np.arange(len(paths)) % 2))
     return ds.map(lambda p, y: (tf.numpy_function(load, [p], tf.uint8), y)).batch(4)
@@ -78,7 +89,7 @@ def wait_for_no_children(seconds: float) -> list:
     return children()
 
 
-@pytest.mark.parametrize("build", [photo_generator, numpy_map])
+@pytest.mark.parametrize("build", [photo_generator, photo_generator_with_args, numpy_map])
 def test_the_same_photos_in_the_same_order_from_worker_processes(photo_paths, build):
     original = build(photo_paths)
     rewritten, moved = workers.rewrite(original)

@@ -16,6 +16,7 @@ otherwise the pipeline stays as written, with one line why.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -54,8 +55,8 @@ def runs_python(dataset) -> bool:
 
 
 def find_generator(node) -> tuple[object | None, str]:
-    """The callable given to ``from_generator`` (held by the closures TF made of it), or None
-    and why."""
+    """The callable given to ``from_generator`` (held by the closures TF made of it), with
+    its ``args=`` bound as the generator receives them; or None and why."""
     seen, todo, state, args = set(), [node._map_func._func], None, None
     while todo and len(seen) < 500:
         obj = todo.pop()
@@ -78,9 +79,29 @@ def find_generator(node) -> tuple[object | None, str]:
     if state is None:
         return None, "tfspeed cannot find the generator inside this from_generator"
     if args:
-        return None, ("its from_generator passes args= to the generator, which tfspeed does "
-                      "not send to a worker process")
+        given, why = _as_received(args)
+        return (functools.partial(state._generator, *given), "") if why == "" else (None, why)
     return state._generator, ""
+
+
+def _as_received(args) -> tuple[list, str]:
+    """``from_generator``'s ``args`` as its generator receives them, each tensor converted as
+    TensorFlow converts it for the generator (``numpy_function``'s conversion: a string
+    scalar becomes bytes, a list of strings an array of them); or why they cannot be read."""
+    import numpy as np
+    import tensorflow as tf
+
+    received = []
+
+    def keep(*values):
+        received.extend(values)
+        return np.int64(0)
+
+    try:
+        tf.numpy_function(keep, list(args), tf.int64)
+    except Exception as e:  # noqa: BLE001  graph tensors, or ones no longer readable
+        return [], f"its from_generator's args= cannot be read here ({one_line(e)})"
+    return received, ""
 
 
 def map_plan(node) -> tuple[dict | None, str]:
@@ -198,7 +219,7 @@ def rewrite(dataset) -> tuple[object | None, list[str] | str]:
             if found is None:
                 return None, why
             fn = found if _is_generator(node) else found["fn"]
-            name = describe(fn)
+            name = describe(getattr(fn, "func", fn))  # a generator with its args bound
             if not _is_generator(node) and not all(
                     isinstance(s, tf.TensorSpec) for s in tf.nest.flatten(base.element_spec)):
                 return None, (f"the elements {name} takes are not plain tensors "
