@@ -80,7 +80,9 @@ def find_generator(node) -> tuple[object | None, str]:
         return None, "tfspeed cannot find the generator inside this from_generator"
     if args:
         given, why = _as_received(args)
-        return (functools.partial(state._generator, *given), "") if why == "" else (None, why)
+        if why:
+            return None, why
+        return functools.partial(state._generator, *given), ""
     return state._generator, ""
 
 
@@ -219,7 +221,7 @@ def rewrite(dataset) -> tuple[object | None, list[str] | str]:
             if found is None:
                 return None, why
             fn = found if _is_generator(node) else found["fn"]
-            name = describe(getattr(fn, "func", fn))  # a generator with its args bound
+            name = describe(fn.func if isinstance(fn, functools.partial) else fn)  # args bound
             if not _is_generator(node) and not all(
                     isinstance(s, tf.TensorSpec) for s in tf.nest.flatten(base.element_spec)):
                 return None, (f"the elements {name} takes are not plain tensors "
