@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests import forked
 from tfspeed.config import DataConfig
 from tfspeed.data import pipeline
 from tfspeed.data import service_client as service
@@ -31,7 +32,7 @@ class Server:
     def __init__(self, *args: str, wait: bool = True):
         env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
         self.args = args
-        self.process = subprocess.Popen(
+        self.process = forked.Popen(
             [sys.executable, "-m", "tfspeed.data_service", *args], cwd=REPO, env=env,
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         if wait:
@@ -251,14 +252,12 @@ def test_sharding_off_gives_each_worker_the_whole_epoch(cluster, numbered_dir):
 
 def test_diagnose_measures_input_through_the_service(cluster, digits_dir, tmp_path):
     address, _ = cluster
-    result = subprocess.run(
+    result = forked.run(
         [sys.executable, "-m", "tfspeed.diagnose", f"--data_dir={digits_dir}",
          f"--model_dir={tmp_path}", "--model=mlp", "--width=16", "--batch_size=32",
          "--cache=none", f"--data_service={address}", "--diagnose_steps=10",
-         "--diagnose_warmup=2", "--steps_per_execution=1", "--eval_split=",
-         "--precision=float32"],
-        cwd=REPO, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}, capture_output=True,
-        text=True, timeout=300)
+         "--diagnose_warmup=2", "--steps_per_execution=1", "--eval_split=", "--precision=float32"],
+        cwd=REPO, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     diagnosis = json.loads((tmp_path / "diagnose" / "diagnose.json").read_text())
     assert diagnosis["settings"]["data_service"] == address
@@ -320,7 +319,7 @@ def test_worker_killed_mid_epoch_training_finishes_and_reports_loss(cluster, dig
     of the epochs in flight."""
     address, workers = cluster
     model_dir = tmp_path / "run"
-    train = subprocess.Popen(
+    train = forked.Popen(
         [sys.executable, "-m", "tfspeed.train", f"--data_dir={digits_dir}",
          f"--model_dir={model_dir}", "--model=mlp", "--width=16", "--batch_size=32",
          "--train_steps=300", "--steps_per_execution=4", "--log_every=4", "--cache=none",
@@ -365,9 +364,8 @@ def _restarted_pid(server: Server, timeout: float = 30.0) -> int:
 
 
 def _train(args, cwd=REPO):
-    result = subprocess.run([sys.executable, "-m", "tfspeed.train", *args], cwd=cwd,
-                            env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"},
-                            capture_output=True, text=True, timeout=120)
+    result = forked.run([sys.executable, "-m", "tfspeed.train", *args], cwd=cwd,
+                        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}, timeout=120)
     return result.returncode, result.stderr.strip().splitlines()
 
 

@@ -12,11 +12,11 @@ is not where oneDNN was turned on in between."""
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 
+from tests import forked
 from tests.conftest import REPO
 
 STEPS = 4
@@ -24,11 +24,11 @@ STEPS = 4
 
 def _train(data_dir, model_dir, onednn: str, *flags):
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "TF_ENABLE_ONEDNN_OPTS": onednn}
-    done = subprocess.run(
+    done = forked.run(
         [sys.executable, "-m", "tfspeed.train", f"--data_dir={data_dir}",
          f"--model_dir={model_dir}", "--model=transformer", "--width=16", "--depth=1",
          "--heads=2", "--batch_size=16", "--log_every=2", "--eval_split=", *flags],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+        cwd=REPO, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads((model_dir / "report.json").read_text()), done.stderr
 

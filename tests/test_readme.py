@@ -4,13 +4,13 @@ the config's help texts, and the README stays short enough to read."""
 
 import os
 import re
-import subprocess
 import sys
 
 import keras
 import pytest
 from absl.testing import flagsaver
 
+from tests import forked
 from tests.conftest import REPO
 from tfspeed import train
 from tfspeed.config import flags as tfspeed_flags
@@ -64,8 +64,7 @@ def test_own_model_from_the_command_line(digits_dir, tmp_path, monkeypatch):
 def test_own_model_from_python(tmp_path):
     """api.py as written, in a process of its own (as a user's script runs)."""
     (tmp_path / "api.py").write_text(EXAMPLES["api.py"])
-    done = subprocess.run([sys.executable, "api.py"], cwd=tmp_path, env=_env(),
-                          capture_output=True, text=True, timeout=300)
+    done = forked.run([sys.executable, "api.py"], cwd=tmp_path, env=_env(), timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     accuracy = re.fullmatch(r"accuracy (\S+), \d+ examples/s", done.stdout.strip().splitlines()[-1])
     assert float(accuracy[1]) > 0.85  # 10 epochs of a small MLP on the real digits

@@ -2,7 +2,6 @@
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -10,6 +9,7 @@ from absl import flags
 from absl.testing import flagsaver
 from conftest import REPO
 
+from tests import forked
 from tfspeed import train
 from tfspeed.config import flags as tfspeed_flags
 from tfspeed.errors import UsageError
@@ -20,8 +20,8 @@ REPORT_KEYS = {"eval_accuracy", "eval_loss", "batch_examples_per_sec", "step_tim
 
 def _run_cli(*args, cwd=REPO, timeout=300, **env_vars):
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", **env_vars}
-    return subprocess.run([sys.executable, "-m", "tfspeed.train", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    return forked.run([sys.executable, "-m", "tfspeed.train", *args], cwd=cwd, env=env,
+                      timeout=timeout)
 
 
 def test_smoke_job_converts_the_demo_data_and_writes_a_report(tmp_path):

@@ -5,11 +5,11 @@ import dataclasses
 import io
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 
+from tests import forked
 from tests.conftest import REPO
 from tfspeed.tuning import measurements as ms
 from tfspeed.tuning import output, predict, verify
@@ -242,10 +242,10 @@ def test_tuned_flags_train_the_same_job_from_any_directory(tmp_path, monkeypatch
 
 def test_a_budget_too_short_is_one_line(tabular_dir, tmp_path):
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
-    done = subprocess.run(
+    done = forked.run(
         [sys.executable, "-m", "tfspeed.tune", f"--data_dir={tabular_dir}", "--model=mlp",
          f"--model_dir={tmp_path}", "--budget_s=5"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+        cwd=REPO, env=env, timeout=240)
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert done.stderr.strip().splitlines()[-1] == (
         "error: --budget_s=5 is too short: measuring and one verifying run take at least "

@@ -206,13 +206,13 @@ print("same numbers")
 def test_on_jax_the_returned_model_gives_the_same_numbers(photo_folder, tmp_path):
     """XLA turns a division by a broadcast scalar into a multiplication by its reciprocal
     (126 of the 256 values of x / 255 differ): the model looks the values up instead."""
-    import subprocess
     import sys
 
+    from tests import forked
     from tests.conftest import REPO
 
     env = {**os.environ, "KERAS_BACKEND": "jax", "TF_CPP_MIN_LOG_LEVEL": "3",
            "PYTHONPATH": str(REPO)}
-    done = subprocess.run([sys.executable, "-c", ON_JAX, photo_folder, str(tmp_path)], env=env,
-                          capture_output=True, text=True, timeout=300, cwd=str(REPO))
+    done = forked.run([sys.executable, "-c", ON_JAX, photo_folder, str(tmp_path)], env=env,
+                      timeout=300, cwd=str(REPO))
     assert done.stdout.strip().endswith("same numbers"), done.stderr[-2000:]

@@ -2,11 +2,11 @@
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 
+from tests import forked
 from tests.conftest import REPO, write_photos
 
 TUTORIAL = '''
@@ -183,8 +183,7 @@ def tfspeed(command, *args, cwd, cache, backend="tensorflow"):
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONPATH": str(REPO),
            "TFSPEED_CACHE_DIR": str(cache), "KERAS_BACKEND": backend}
     head = ["-m", f"tfspeed.{command}"] if command else []
-    return subprocess.run([sys.executable, *head, *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=300)
+    return forked.run([sys.executable, *head, *args], cwd=cwd, env=env, timeout=300)
 
 
 def script_figures(done) -> dict:

@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from tests import forked
 from tests.conftest import REPO
 from tfspeed import config as config_lib
 from tfspeed.config import AUTO, Config, DataConfig, ModelConfig, RuntimeConfig, TrainConfig
@@ -72,9 +73,8 @@ def test_python_the_command_line_and_fit_resolve_the_same_defaults(digits_dir, t
 
     run(Config(data=DataConfig(data_dir=digits_dir), model_dir=str(tmp_path / "python")).validate())
     python = _report(tmp_path / "python")
-    done = subprocess.run([sys.executable, "-m", "tfspeed.train", f"--data_dir={digits_dir}",
-                           f"--model_dir={tmp_path / 'cli'}"], cwd=REPO, env=ENV,
-                          capture_output=True, text=True, timeout=300)
+    done = forked.run([sys.executable, "-m", "tfspeed.train", f"--data_dir={digits_dir}",
+                       f"--model_dir={tmp_path / 'cli'}"], cwd=REPO, env=ENV, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     cli = _report(tmp_path / "cli")
     import tfspeed.data

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from tests import forked
 from tests.conftest import REPO
 from tfspeed import diagnose
 from tfspeed.config import Config, DataConfig, ModelConfig, RuntimeConfig, TrainConfig
@@ -37,14 +38,14 @@ def padded(stdlib_corpus, tmp_path_factory):
     """``python -m tfspeed.diagnose --batching=pad`` as a user runs it: (the process,
     diagnose.json)."""
     model_dir = tmp_path_factory.mktemp("padded")
-    run = subprocess.run(
+    run = forked.run(
         [sys.executable, "-m", "tfspeed.diagnose", f"--data_dir={stdlib_corpus}",
          f"--model_dir={model_dir}", "--model=transformer", "--width=16", "--depth=1",
          "--heads=2", "--batch_size=8", "--eval_split=", "--batching=pad",
          "--precision=float32", "--steps_per_execution=1",
          f"--diagnose_steps={UNBOUNDED_STEPS}", "--diagnose_warmup=3", "--diagnose_seconds=1"],
         cwd=REPO, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONPATH": str(REPO)},
-        capture_output=True, text=True, timeout=600)
+        timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     return run, json.loads((model_dir / "diagnose" / "diagnose.json").read_text())
 

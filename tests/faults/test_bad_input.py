@@ -11,6 +11,7 @@ import pytest
 from absl.testing import flagsaver
 from conftest import REPO
 
+from tests import forked
 from tfspeed.config import flags as tfspeed_flags
 from tfspeed.errors import UsageError
 from tfspeed.training.run import run
@@ -18,8 +19,8 @@ from tfspeed.training.run import run
 
 def _cli(*args, timeout=300):
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
-    return subprocess.run([sys.executable, "-m", "tfspeed.train", *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    return forked.run([sys.executable, "-m", "tfspeed.train", *args], cwd=REPO, env=env,
+                      timeout=timeout)
 
 
 def _one_line_error(proc, *fragments):
@@ -172,8 +173,8 @@ def test_a_record_with_a_valid_checksum_and_a_bad_payload(digits_dir, tmp_path):
     assert pipeline.corruption_report()[str(shard)] >= 1  # once per epoch read
     assert set(pipeline.corruption_report().values()) == {pipeline.corruption_report()[str(shard)]}
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
-    repair = subprocess.run([sys.executable, "-m", "tfspeed.verify", str(data), "--repair"],
-                            cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    repair = forked.run([sys.executable, "-m", "tfspeed.verify", str(data), "--repair"],
+                        cwd=REPO, env=env, timeout=120)
     assert "1 lost" in repair.stdout, repair.stdout
 
 

@@ -8,7 +8,6 @@ import logging
 import os
 import re
 import shutil
-import subprocess
 import sys
 
 import numpy as np
@@ -16,6 +15,7 @@ import pytest
 import tensorflow as tf
 
 import tfspeed.data
+from tests import forked
 from tfspeed import verify
 from tfspeed.config import Config, DataConfig, ModelConfig, RuntimeConfig, TrainConfig
 from tfspeed.data import integrity, pipeline
@@ -131,14 +131,8 @@ def test_verify_finds_damage_and_repair_recovers_every_intact_record(digits_dir,
     total = schema_lib.read(data).split("train").num_records
 
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
-    run = subprocess.run(
-        [sys.executable, "-m", "tfspeed.verify", data],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        env=env,
-        timeout=120,
-    )
+    run = forked.run([sys.executable, "-m", "tfspeed.verify", data], cwd=REPO, env=env,
+                     timeout=120)
     assert run.returncode == 1, run.stderr
     lines = run.stdout.splitlines()
     assert len(lines) == 3 and run.stderr == ""

@@ -20,6 +20,7 @@ import pytest
 import tensorflow as tf
 from absl.testing import flagsaver
 
+from tests import forked
 from tests.conftest import REPO
 from tfspeed import diagnose
 from tfspeed.config import Config, DataConfig, ModelConfig, RuntimeConfig, TrainConfig
@@ -42,10 +43,10 @@ def _command(data_dir, model_dir, steps, every=1, placement="host"):
             "--log_every=50", "--eval_split="]
 
 
-def _start(command):
+def _start(command, popen=forked.Popen):
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
-    return subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    return popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                 text=True)
 
 
 def _finish(process, timeout=60):
@@ -149,7 +150,8 @@ def test_a_second_run_on_a_busy_model_dir_stops_and_a_dead_owner_never_blocks(di
     """A scheduler restarts a job whose old process still runs: the new run (or a diagnosis)
     on the same --model_dir stops at once, naming the old one. Once the old one is SIGKILLed
     its lock is gone, and the directory resumes as before."""
-    first = _start(_command(digits_dir, tmp_path, 10**6, every=50))  # runs until killed
+    # Runs until killed; started afresh: the lock names the command line it was started with.
+    first = _start(_command(digits_dir, tmp_path, 10**6, every=50), subprocess.Popen)
     second = None
     try:
         _wait_until(first, lambda: (tmp_path / ".tfspeed-lock").exists()

@@ -3,12 +3,12 @@ Keras backend), and what they leave: the tests of test_jax*.py share them."""
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 
+from tests import forked
 from tests.conftest import REPO
 
 TINY_TEXT = ["--model=transformer", "--width=16", "--depth=1", "--heads=2"]
@@ -23,9 +23,9 @@ def env(devices: int = 1) -> dict:
 
 
 def train(data_dir, model_dir, *flags, check=True):
-    done = subprocess.run([sys.executable, "-m", "tfspeed.train", "--log_every=5", *flags,
-                           f"--data_dir={data_dir}", f"--model_dir={model_dir}"], cwd=REPO,
-                          env=env(), capture_output=True, text=True, timeout=900)
+    done = forked.run([sys.executable, "-m", "tfspeed.train", "--log_every=5", *flags,
+                       f"--data_dir={data_dir}", f"--model_dir={model_dir}"], cwd=REPO,
+                      env=env(), timeout=900)
     if check:
         assert done.returncode == 0, done.stderr[-3000:]
     return done
@@ -54,8 +54,8 @@ def train_together(*runs):
     job's ``--cpu_replicas``: list a job that splits the CPU first."""
     argvs = [["--log_every=5", *flags, f"--data_dir={data_dir}", f"--model_dir={model_dir}"]
              for data_dir, model_dir, *flags in runs]
-    done = subprocess.run([sys.executable, "-c", _TOGETHER, json.dumps(argvs)], cwd=REPO,
-                          env=env(), capture_output=True, text=True, timeout=900)
+    done = forked.run([sys.executable, "-c", _TOGETHER, json.dumps(argvs)], cwd=REPO,
+                      env=env(), timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     return done
 

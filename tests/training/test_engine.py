@@ -10,11 +10,11 @@ import functools
 import itertools
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 
+from tests import forked
 from tests.conftest import REPO
 from tests.training import engine_checks
 from tests.training import jax_runs as jr
@@ -422,8 +422,8 @@ def _checks(backend: str) -> dict:
     """``engine_checks.run()`` on ``backend``: here for TensorFlow, a JAX process for JAX."""
     if backend == "tensorflow":
         return engine_checks.run()
-    done = subprocess.run([sys.executable, "-m", "tests.training.engine_checks"], cwd=REPO,
-                          env=jr.env(), capture_output=True, text=True, timeout=600)
+    done = forked.run([sys.executable, "-m", "tests.training.engine_checks"], cwd=REPO,
+                      env=jr.env(), timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 

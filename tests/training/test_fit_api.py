@@ -14,6 +14,7 @@ import pytest
 import tensorflow as tf
 
 import tfspeed
+from tests import forked
 from tests.conftest import REPO
 from tfspeed.errors import UsageError
 
@@ -58,8 +59,7 @@ def test_what_a_script_with_too_few_outputs_shows(tmp_path):
     """The user's own script, default precision: the UsageError's line, never TensorFlow's
     InvalidArgumentError and its traceback."""
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONPATH": str(REPO)}
-    done = subprocess.run([sys.executable, "-c", FIT_SCRIPT], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=180)
+    done = forked.run([sys.executable, "-c", FIT_SCRIPT], cwd=tmp_path, env=env, timeout=180)
     assert done.returncode == 1
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("tfspeed.errors.UsageError: the model outputs 2 classes, but "

@@ -4,7 +4,6 @@ pooling), and a loss that turns NaN never ending in exit status 0."""
 
 import json
 import math
-import subprocess
 import sys
 
 import keras
@@ -12,6 +11,7 @@ import numpy as np
 import pytest
 
 import tfspeed
+from tests import forked
 from tests.conftest import REPO, importable
 from tfspeed.data import schema as schema_lib
 from tfspeed.errors import UsageError
@@ -154,8 +154,7 @@ def _train(data_dir, model_dir, *flags, module_dir):
 
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         p for p in (module_dir, str(REPO), os.environ.get("PYTHONPATH")) if p)}
-    return subprocess.run(
+    return forked.run(
         [sys.executable, "-m", "tfspeed.train", f"--data_dir={data_dir}",
          f"--model_dir={model_dir}", "--train_steps=4", "--batch_size=16", "--log_every=2",
-         *flags], capture_output=True, text=True, env=env, cwd=str(model_dir.parent),
-        timeout=600)
+         *flags], env=env, cwd=str(model_dir.parent), timeout=600)

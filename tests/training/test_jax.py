@@ -10,6 +10,7 @@ import time
 import numpy as np
 import pytest
 
+from tests import forked
 from tests.conftest import REPO
 from tests.training import jax_runs as jr
 
@@ -76,7 +77,7 @@ def test_token_losses_are_exact_under_accumulation_and_two_devices(runs, task):
 def test_sigkill_then_the_same_command_ends_with_the_sameweights(digits_dir, runs, tmp_path):
     command = [sys.executable, "-m", "tfspeed.train", f"--data_dir={digits_dir}", *KILLED]
     killed_dir, straight_dir = tmp_path / "killed", runs / "straight"
-    process = subprocess.Popen([*command, f"--model_dir={killed_dir}"], cwd=REPO, env=jr.env(),
+    process = forked.Popen([*command, f"--model_dir={killed_dir}"], cwd=REPO, env=jr.env(),
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 300
     state = killed_dir / "checkpoints" / "checkpoint"
@@ -86,8 +87,8 @@ def test_sigkill_then_the_same_command_ends_with_the_sameweights(digits_dir, run
         time.sleep(0.01)
     process.send_signal(signal.SIGKILL)
     assert process.wait(timeout=30) == -signal.SIGKILL
-    done = subprocess.run([*command, f"--model_dir={killed_dir}"], cwd=REPO, env=jr.env(),
-                          capture_output=True, text=True, timeout=600)
+    done = forked.run([*command, f"--model_dir={killed_dir}"], cwd=REPO, env=jr.env(),
+                      timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     resumed = jr.report(killed_dir)
     assert 0 < resumed["resumed_from_update"] < 60

@@ -8,6 +8,7 @@ import sys
 
 import numpy as np
 
+from tests import forked
 from tests.conftest import REPO
 from tests.training import jax_runs as jr
 
@@ -19,9 +20,9 @@ def test_the_digits_job_trains_on_jax_with_its_defaults(digits_dir, tmp_path):
     flags = ["--flagfile=pipelines/digits.flags", "--epochs=4", "--prepare_source="]
     jr.train(digits_dir, tmp_path / "jax", *flags)
     env = {**jr.env(), "KERAS_BACKEND": "tensorflow"}
-    done = subprocess.run([sys.executable, "-m", "tfspeed.train", *flags,
-                           f"--data_dir={digits_dir}", f"--model_dir={tmp_path / 'tf'}"],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    done = forked.run([sys.executable, "-m", "tfspeed.train", *flags,
+                       f"--data_dir={digits_dir}", f"--model_dir={tmp_path / 'tf'}"],
+                      cwd=REPO, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     report, reference = jr.report(tmp_path / "jax"), jr.report(tmp_path / "tf")
     assert report["runtime"]["backend"] == "jax" and report["runtime"]["xla"]
@@ -40,7 +41,7 @@ def test_the_text_job_reaches_the_tensorflow_backends_accuracy(short_texts, tmp_
     differently initialised runs."""
     flags = [*jr.TINY_TEXT, "--batch_size=8", "--epochs=2", "--learning_rate=0.003",
              "--eval_every_epochs=1", f"--data_dir={short_texts}"]
-    runs = {backend: subprocess.Popen(
+    runs = {backend: forked.Popen(
         [sys.executable, "-m", "tfspeed.train", *flags, f"--model_dir={tmp_path / backend}"],
         cwd=REPO, env={**jr.env(), "KERAS_BACKEND": backend, "JAX_LOG_COMPILES": "1"},
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -103,8 +104,8 @@ print(json.dumps({"backend": report["runtime"]["backend"], "loss": report["eval_
 
 
 def test_fit_on_jax_trains_a_masked_keras_model_on_bucketed_text(short_texts, tmp_path):
-    done = subprocess.run([sys.executable, "-c", FIT, short_texts, str(tmp_path / "fit")],
-                          cwd=REPO, env=jr.env(), capture_output=True, text=True, timeout=600)
+    done = forked.run([sys.executable, "-c", FIT, short_texts, str(tmp_path / "fit")],
+                      cwd=REPO, env=jr.env(), timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["backend"] == "jax" and result["updates"] == 12
@@ -127,9 +128,8 @@ def test_a_backend_without_an_engine_is_one_line(digits_dir, tmp_path):
 
 
 def test_tune_on_jax_is_one_line_naming_the_backend_to_use(digits_dir, tmp_path):
-    done = subprocess.run([sys.executable, "-m", "tfspeed.tune", f"--data_dir={digits_dir}",
-                           f"--model_dir={tmp_path / 'run'}"], cwd=REPO, env=jr.env(),
-                          capture_output=True, text=True, timeout=300)
+    done = forked.run([sys.executable, "-m", "tfspeed.tune", f"--data_dir={digits_dir}",
+                       f"--model_dir={tmp_path / 'run'}"], cwd=REPO, env=jr.env(), timeout=300)
     assert done.returncode == 2 and "Traceback" not in done.stderr
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("error: KERAS_BACKEND=jax: tune times its candidates with "

@@ -5,7 +5,6 @@ diagnose) trains on the job's own loss and metrics; what a run leaves behind; th
 import json
 import logging
 import os
-import subprocess
 import sys
 
 import keras
@@ -15,6 +14,7 @@ import tensorflow as tf
 from absl.testing import flagsaver
 
 import tfspeed
+from tests import forked
 from tests.conftest import REPO, importable
 from tfspeed import diagnose
 from tfspeed.config import TrainConfig
@@ -128,12 +128,11 @@ def _eval_loss(model, data_dir) -> float:
 def test_a_subclassed_model_without_get_config_ends_with_its_report_and_weights(
         digits_dir, sub_module, tmp_path):
     model_dir = tmp_path / "run"
-    proc = subprocess.run(
+    proc = forked.run(
         [sys.executable, "-m", "tfspeed.train", "--flagfile=pipelines/digits.flags",
          f"--data_dir={digits_dir}", f"--model_dir={model_dir}", "--prepare_source=",
          "--model=tfspeed_sub_models:build_sub", "--train_steps=20", "--precision=float32"],
-        cwd=REPO, env={**ENV, "PYTHONPATH": str(sub_module)}, capture_output=True, text=True,
-        timeout=300)
+        cwd=REPO, env={**ENV, "PYTHONPATH": str(sub_module)}, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr and "eval_accuracy=" in proc.stdout
     warnings = [line for line in proc.stderr.splitlines() if "model.keras not written" in line]

@@ -2,7 +2,6 @@
 API, regression and named inputs. The user's model files are written by the tests."""
 
 import os
-import subprocess
 import sys
 
 import keras
@@ -12,6 +11,7 @@ import tensorflow as tf
 from absl.testing import flagsaver
 
 import tfspeed
+from tests import forked
 from tests.conftest import REPO, importable
 from tfspeed.config import flags as tfspeed_flags
 from tfspeed.errors import UsageError
@@ -145,9 +145,9 @@ def test_mistakes_with_your_own_model_are_one_line(digits_dir, user_dir, tmp_pat
 
 def test_a_missing_module_on_the_command_line_is_one_line(digits_dir, tmp_path):
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
-    proc = subprocess.run([sys.executable, "-m", "tfspeed.train", f"--data_dir={digits_dir}",
-                           f"--model_dir={tmp_path}", "--model=my_models:build"], cwd=REPO,
-                          env=env, capture_output=True, text=True, timeout=120)
+    proc = forked.run([sys.executable, "-m", "tfspeed.train", f"--data_dir={digits_dir}",
+                       f"--model_dir={tmp_path}", "--model=my_models:build"], cwd=REPO,
+                      env=env, timeout=120)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and "module 'my_models' is not importable" in errors[0]

@@ -20,6 +20,7 @@ import keras
 import numpy as np
 from absl.testing import flagsaver
 
+from tests import forked
 from tests.conftest import REPO
 from tfspeed.config import flags as tfspeed_flags
 from tfspeed.training.run import run
@@ -52,7 +53,7 @@ def test_the_default_text_job_resumes_exactly_after_sigkill(text_dirs, tmp_path)
     data = text_dirs["classification"]
     killed_dir = tmp_path / "killed"
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
-    process = subprocess.Popen(_command(data, killed_dir), cwd=REPO, env=env,
+    process = forked.Popen(_command(data, killed_dir), cwd=REPO, env=env,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 300
     while not 0 < _restorable(killed_dir) < STEPS:
@@ -61,8 +62,7 @@ def test_the_default_text_job_resumes_exactly_after_sigkill(text_dirs, tmp_path)
         time.sleep(0.01)
     process.send_signal(signal.SIGKILL)
     assert process.wait(timeout=30) == -signal.SIGKILL
-    resumed = subprocess.run(_command(data, killed_dir), cwd=REPO, env=env,
-                             capture_output=True, text=True, timeout=600)
+    resumed = forked.run(_command(data, killed_dir), cwd=REPO, env=env, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     # The straight run takes the killed run's measured decisions (precision, batching, steps
     # per call) from the same file a rerun reads: probed anew on a loaded host, it could

@@ -3,11 +3,11 @@ tokens/s, and one real ``python -m tfspeed.tune`` of a small text job whose flag
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 
+from tests import forked
 from tests.conftest import REPO
 from tfspeed.tuning import measurements as ms
 from tfspeed.tuning import predict, verify
@@ -393,12 +393,12 @@ def text_tune(short_texts, tmp_path_factory):
     with a budget, as a user (and the issue) ran it: (the process, the tune directory). One
     real tune serves this module's tests of it."""
     root = tmp_path_factory.mktemp("tune_default")
-    run = subprocess.run(
+    run = forked.run(
         [sys.executable, "-m", "tfspeed.tune",
          f"--flagfile={REPO / 'pipelines' / 'text.flags'}", f"--data_dir={short_texts}",
          f"--model_dir={root / 'run'}", f"--budget_s={TUNE_BUDGET_S}"],
         cwd=REPO, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONPATH": str(REPO)},
-        capture_output=True, text=True, timeout=400)
+        timeout=400)
     assert run.returncode == 0, run.stderr[-3000:]
     return run, root / "run" / "tune"
 
