@@ -82,7 +82,8 @@ class _Template:
         request = {"request": number, "args": args, "cwd": cwd, "env": env}
         socket.send_fds(self.socket, [json.dumps(request).encode()], fds)
         with self.changed:
-            if not self.changed.wait_for(lambda: number in self.pids or not self.alive(), 120):
+            # The first request waits for the template's imports: tens of seconds on a busy host.
+            if not self.changed.wait_for(lambda: number in self.pids or not self.alive(), 600):
                 raise RuntimeError("the template process did not fork")
             if number not in self.pids:
                 raise RuntimeError(f"the template process ended ({self.process.poll()})")
