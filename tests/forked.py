@@ -92,7 +92,7 @@ class _Template:
     def status(self, pid: int, timeout: float | None) -> int | None:
         with self.changed:
             self.changed.wait_for(lambda: pid in self.statuses or not self.alive(), timeout)
-            return self.statuses.get(pid)
+            return self.statuses.pop(pid, None)  # kept by the Popen as its returncode
 
 
 _TEMPLATES: dict[tuple, _Template] = {}
@@ -100,10 +100,11 @@ _LOCK = threading.Lock()
 
 
 def _template(env: dict[str, str]) -> _Template:
+    key = _key(env)
     with _LOCK:
-        template = _TEMPLATES.get(_key(env))
+        template = _TEMPLATES.get(key)
         if template is None or not template.alive():
-            template = _TEMPLATES[_key(env)] = _Template(env)
+            template = _TEMPLATES[key] = _Template(env)
         return template
 
 

@@ -256,7 +256,8 @@ def test_diagnose_measures_input_through_the_service(cluster, digits_dir, tmp_pa
         [sys.executable, "-m", "tfspeed.diagnose", f"--data_dir={digits_dir}",
          f"--model_dir={tmp_path}", "--model=mlp", "--width=16", "--batch_size=32",
          "--cache=none", f"--data_service={address}", "--diagnose_steps=10",
-         "--diagnose_warmup=2", "--steps_per_execution=1", "--eval_split=", "--precision=float32"],
+         "--diagnose_warmup=2", "--steps_per_execution=1", "--eval_split=",
+         "--precision=float32"],
         cwd=REPO, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     diagnosis = json.loads((tmp_path / "diagnose" / "diagnose.json").read_text())
