@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from tests import forked
-from tests.conftest import REPO
+from tests.conftest import REPO, XLA_FLAGS
 
 TINY_TEXT = ["--model=transformer", "--width=16", "--depth=1", "--heads=2"]
 
@@ -18,7 +18,7 @@ def env(devices: int = 1) -> dict:
     env = {**os.environ, "KERAS_BACKEND": "jax", "TF_CPP_MIN_LOG_LEVEL": "3",
            "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH"))
                                          if p)}
-    env.pop("XLA_FLAGS", None)
+    env["XLA_FLAGS"] = XLA_FLAGS
     return env
 
 

@@ -235,10 +235,12 @@ def test_xla_compiles_the_step_once_per_shape(short_texts, tmp_path, mode):
     import subprocess
     import sys
 
-    from tests.conftest import REPO
+    from tests.conftest import REPO, XLA_FLAGS
 
     dump, run_dir = tmp_path / "xla", tmp_path / "run"
-    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "XLA_FLAGS": f"--xla_dump_to={dump} --xla_dump_hlo_module_re=.*forward_backward.*"}
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3",
+           "XLA_FLAGS": f"{XLA_FLAGS} --xla_dump_to={dump} "
+                        "--xla_dump_hlo_module_re=.*forward_backward.*"}
     done = subprocess.run(
         [sys.executable, "-m", "tfspeed.train", f"--data_dir={short_texts}",
          f"--model_dir={run_dir}", "--model=transformer", "--width=16", "--depth=1",
