@@ -188,6 +188,28 @@ def test_a_map_faster_alone_in_workers_is_kept_only_after_the_whole_rewrite_meas
     assert CALLS["n"] == (24 if out is not ds else 48), CALLS
 
 
+def augmented_load(path):
+    """A map that calls another function the script also maps on its own."""
+    return load(path)[::-1]
+
+
+def test_a_function_autograph_has_seen_travels_without_tensorflow(photo_paths):
+    """Once ``load`` has been given to numpy_function, autograph leaves a wrapper on it
+    (``ag_dnc_wrapper__``); a later map's function that calls ``load`` still reaches the
+    workers without TensorFlow in its payload, or each worker would import TensorFlow
+    (seconds of CPU each) to unpickle it."""
+    tf.data.Dataset.from_tensor_slices(photo_paths).map(
+        lambda p: tf.numpy_function(load, [p], tf.uint8))
+    assert any(k.startswith("ag_") for k in load.__dict__)
+    ds = tf.data.Dataset.from_tensor_slices(photo_paths).map(
+        lambda p: tf.numpy_function(augmented_load, [p], tf.uint8))
+    rewritten, moved = workers.rewrite(ds)
+    assert rewritten is not None, moved
+    assert b"tensorflow" not in rewritten._tfspeed_workers.payload
+    assert same(elements(rewritten), elements(ds))
+    assert any(k.startswith("ag_") for k in load.__dict__)  # the user's function untouched
+
+
 def test_an_unpicklable_function_leaves_the_pipeline_as_written(photo_paths, tmp_path):
     lock = threading.Lock()  # a closure over a lock: cloudpickle cannot send it
 

@@ -226,10 +226,8 @@ class Workers:
     for ``IDLE_SECONDS`` ends."""
 
     def __init__(self, fn, size: int, eager: bool = False, outputs: int = -1):
-        import cloudpickle
-
         self.name = describe(fn)
-        self.payload = cloudpickle.dumps(fn)
+        self.payload = dumps(fn)
         self.size, self.eager, self.outputs = size, eager, outputs
         self.idle: list[Pool] = []
         self.lock = threading.Lock()
@@ -268,6 +266,33 @@ class Workers:
                 return
             self.idle.remove(pool)
         pool.close()
+
+
+def dumps(fn) -> bytes:
+    """``fn`` pickled by cloudpickle, with every function it carries by value (its own
+    helpers, a script's) stripped of what autograph leaves on a function it has seen
+    (``ag_dnc_wrapper__``): sent with it, each worker would import TensorFlow to unpickle it."""
+    import io
+    import types
+
+    import cloudpickle
+
+    class Pickler(cloudpickle.Pickler):
+        def reducer_override(self, obj):
+            if isinstance(obj, types.FunctionType) and any(
+                    k.startswith("ag_") for k in getattr(obj, "__dict__", {})):
+                bare = types.FunctionType(obj.__code__, obj.__globals__, obj.__name__,
+                                          obj.__defaults__, obj.__closure__)
+                bare.__qualname__, bare.__module__ = obj.__qualname__, obj.__module__
+                bare.__kwdefaults__ = obj.__kwdefaults__
+                bare.__dict__.update(
+                    {k: v for k, v in obj.__dict__.items() if not k.startswith("ag_")})
+                obj = bare
+            return super().reducer_override(obj)
+
+    out = io.BytesIO()
+    Pickler(out).dump(fn)
+    return out.getvalue()
 
 
 def _close_all(pools: list) -> None:

@@ -145,23 +145,13 @@ def map_plan(node) -> tuple[dict | None, str]:
 
 def _unwrap(fn):
     """The user's own function inside the wrapper TensorFlow puts around it (autograph's
-    do_not_convert), and without the one autograph leaves on it (``ag_dnc_wrapper__``): sent
-    with them, each worker would import TensorFlow to unpickle them."""
-    import types
-
+    do_not_convert). (What autograph leaves on the function itself, ``pool.dumps`` drops.)"""
     while fn is not None and getattr(fn, "__globals__", {}).get(
             "__name__", "").startswith("tensorflow."):
         inner = [c.cell_contents for c in fn.__closure__ or () if callable(c.cell_contents)]
         if len(inner) != 1:
             break
         fn = inner[0]
-    if isinstance(fn, types.FunctionType) and any(k.startswith("ag_") for k in fn.__dict__):
-        bare = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__,
-                                  fn.__closure__)
-        bare.__qualname__, bare.__module__ = fn.__qualname__, fn.__module__
-        bare.__kwdefaults__ = fn.__kwdefaults__
-        bare.__dict__.update({k: v for k, v in fn.__dict__.items() if not k.startswith("ag_")})
-        fn = bare
     return fn
 
 
